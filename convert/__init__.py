@@ -1,0 +1,1 @@
+"""dsv41-convert: hub safetensors checkpoint -> sharded Orbax checkpoint."""

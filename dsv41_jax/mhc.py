@@ -1,0 +1,44 @@
+"""Hyper-connections (mHC): the residual stream as `hc` parallel copies mixed per token (SPEC §4).
+
+Shapes: x [b, s, hc, d] bf16; mixes [b, s, (2 + hc) * hc] f32; pre/post [b, s, hc] f32;
+comb [b, s, hc, hc] f32 (row i = source copy, column j = destination copy).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sinkhorn.reference import hc_split_sinkhorn
+
+
+def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, norm_eps: float,
+             iters: int, hc_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token: mixes = (fn @ u) * rsqrt(mean(u^2) + eps) over the flattened hc*d stream u, then
+    the Sinkhorn split. The RMS statistic is over the whole stream and applied after the
+    projection, without a weight. Returns (pre, post, comb), all f32."""
+    b, s, hc, d = x.shape
+    u = x.reshape(b, s, hc * d).astype(jnp.float32)
+    rsqrt = jax.lax.rsqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
+    mixes = jnp.einsum("bsk,mk->bsm", u, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * rsqrt
+    return hc_split_sinkhorn(mixes, scale, base, hc=hc, iters=iters, eps=hc_eps)
+
+
+def hc_pre(x: jax.Array, pre_mix: jax.Array) -> jax.Array:
+    """Collapse the copies: sum_i pre_mix[..., i] * x[..., i, :] in f32, cast to x.dtype. -> [b, s, d]"""
+    return jnp.sum(pre_mix[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def hc_post(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """out[..., j, :] = post[j] * f + sum_i comb[i, j] * residual[..., i, :], f32, cast to f.dtype.
+
+    The contraction runs over the FIRST comb index: copy i feeds output copy j with comb[i][j].
+    """
+    y = post[..., None] * f[..., None, :].astype(jnp.float32)
+    y = y + jnp.sum(comb[..., None] * residual[..., :, None, :].astype(jnp.float32), axis=-3)
+    return y.astype(f.dtype)
+
+
+def identity_pre_mix(b: int, s: int, hc: int) -> jax.Array:
+    """One-hot mix on copy 0, f32 [b, s, hc]: block 0's attention input is copy 0."""
+    return jnp.zeros((b, s, hc), jnp.float32).at[..., 0].set(1.0)

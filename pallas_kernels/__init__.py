@@ -1,0 +1,1 @@
+"""Pallas kernels (GPU and TPU), each beside its pure-jnp reference: sinkhorn, sparse_attention."""
