@@ -1,0 +1,112 @@
+"""Fill an nnx module tree from a hub-format checkpoint by name.
+
+Module paths equal the reference's parameter names: the param at tree path
+`layers.3.attn.wq_a.weight` is read from the hub tensor of that name. One structural rule maps
+the routed experts, which the port stores stacked along a leading expert axis (for expert
+parallelism and for gathering a token's experts in one op): hub
+`...ffn.experts.{e}.w1.weight` -> tree `...ffn.experts.w1.weight[e]`.
+
+Dtype rules (the same conversions the reference's loader applies):
+- quantised params (e4m3 / e8m0 / packed-fp4 int8) must match the hub dtype bit for bit;
+- bf16 hub values go into fp32 params unchanged (exact widening);
+- a bf16 param whose hub tensor is fp8 with a `.scale` sibling is dequantised (attn.wo_a, which
+  the reference's convert.py widens to bf16); that scale is then consumed too.
+
+This path materialises the module's weights on the host: it is for tiny checkpoints and tests.
+The released model goes through `dsv41-convert` (streaming, sharded) instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.checkpoint import CheckpointError, HubCheckpoint
+
+_STACKED = re.compile(r"(^|\.)experts\.(w[123])\.(weight|scale)$")
+
+
+def module_param_paths(module: nnx.Module) -> dict[str, nnx.Variable]:
+    """Tree path (joined by '.') -> Param variable, for every nnx.Param in the module."""
+    out = {}
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param):
+            out[".".join(str(p) for p in path)] = node
+    return out
+
+
+def _hub_names_for(path: str, prefix: str, stack: int | None) -> list[str]:
+    m = _STACKED.search(path)
+    if m and stack is not None:
+        head = path[: m.start()] + (m.group(1) if m.group(1) else "")
+        return [f"{prefix}{head}experts.{e}.{m.group(2)}.{m.group(3)}" for e in range(stack)]
+    return [prefix + path]
+
+
+def _convert(name: str, arr: np.ndarray, target: np.dtype, ckpt: HubCheckpoint) -> tuple[np.ndarray, list[str]]:
+    """Hub array -> the param's dtype; returns (array, extra consumed names)."""
+    src = arr.dtype
+    if src == target:
+        return arr, []
+    if target == np.float32 and src == ml_dtypes.bfloat16:
+        return arr.astype(np.float32), []
+    if target == ml_dtypes.bfloat16 and src == ml_dtypes.float8_e4m3fn:
+        scale_name = name[: -len("weight")] + "scale"
+        if not name.endswith(".weight") or scale_name not in ckpt:
+            raise CheckpointError(f"{name}: fp8 tensor for a bf16 parameter but no {scale_name} to dequantise it with")
+        scale = ckpt.get(scale_name)
+        return np.asarray(quant.dequant_fp8_weight(jnp.asarray(arr), jnp.asarray(scale), jnp.bfloat16)), [scale_name]
+    raise CheckpointError(f"{name}: checkpoint dtype {src} cannot be loaded into a {np.dtype(target)} parameter")
+
+
+def load_hub_weights(module: nnx.Module, ckpt: HubCheckpoint | str | os.PathLike, prefix: str = "",
+                     *, strict: bool = True, skip: tuple[str, ...] = ()) -> set[str]:
+    """Assign every nnx.Param of `module` from hub tensors named `prefix + path`.
+
+    strict: also require that every hub tensor under `prefix` is consumed, so nothing in the
+    checkpoint is silently ignored (name the leftovers otherwise); `skip` lists name prefixes of
+    parts the module deliberately does not hold (e.g. "vision." for a text-only model).
+    Returns the consumed names.
+    """
+    if not isinstance(ckpt, HubCheckpoint):
+        ckpt = HubCheckpoint(ckpt)
+    consumed: set[str] = set()
+    missing: list[str] = []
+    for path, var in module_param_paths(module).items():
+        target = var[...]
+        stacked = _STACKED.search(path) is not None
+        names = _hub_names_for(path, prefix, target.shape[0] if stacked else None)
+        absent = [n for n in names if n not in ckpt]
+        if absent:
+            missing.extend(absent)
+            continue
+        parts = []
+        for n in names:
+            arr, extra = _convert(n, ckpt.get(n), np.dtype(target.dtype), ckpt)
+            consumed.update(extra)
+            parts.append(arr)
+        value = np.stack(parts) if stacked else parts[0]
+        if value.shape != tuple(target.shape):
+            raise CheckpointError(
+                f"{names[0]}{' (stacked over experts)' if stacked else ''}: checkpoint shape {value.shape}, "
+                f"module parameter {path} expects {tuple(target.shape)}"
+            )
+        var.set_value(jnp.asarray(value))
+        consumed.update(names)
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensors missing from the checkpoint for prefix {prefix!r}: {missing[:20]}")
+    if strict:
+        leftover = sorted(
+            n for n in ckpt.names() if n.startswith(prefix) and n not in consumed and not n.startswith(skip)
+        )
+        if leftover:
+            raise CheckpointError(
+                f"{len(leftover)} checkpoint tensors under {prefix!r} have no parameter in the module: {leftover[:20]}"
+            )
+    return consumed
