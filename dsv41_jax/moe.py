@@ -1,0 +1,312 @@
+"""Mixture of experts (SPEC §6): `Gate`, `Expert` (the shared expert), `Experts` (the routed
+experts, stacked along a leading expert axis) and `MoE`.
+
+Numerics follow the reference exactly where it has rounding points:
+  * router logits in fp32 from the bf16 gate weight; the selection bias only picks experts and
+    never enters the routing weights; normaliser `sum + 1e-20`; times `route_scale`;
+  * every expert projection is the reference `linear()` dispatch: fp4 / fp8 weights take an
+    activation quantised to e4m3 per 32 along K (`quant.act_quant`), bf16 output;
+  * SwiGLU in fp32 with the asymmetric clamp, the routing weight applied BEFORE w2, the w2 input
+    cast to bf16;
+  * each routed expert's bf16 output is added into an fp32 sum per token in ascending expert
+    order, then the shared expert's bf16 output, then one cast to bf16.
+
+Routed-expert GEMMs use the scheme of `quant.linear_fp4`: activation and weight dequantised to
+bf16 (exact: e4m3 / e2m1 values times powers of two), one dot with fp32 accumulation. The two
+execution paths below therefore share every rounding point; they can differ from each other (and
+from the reference's block-ordered GEMM) only in the order XLA adds the exact fp32 products.
+
+The bf16 casts between fp32 steps are rounding points, not storage choices. XLA's GPU backend
+by default (`--xla_allow_excess_precision=true`) deletes an fp32 -> bf16 -> fp32 convert pair and
+keeps the fp32 value; on an H200 that moved 60% of this module's outputs off the reference. Run
+with XLA_FLAGS=--xla_allow_excess_precision=false (then the tests pass there bit for bit).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.config import ModelArgs
+from dsv41_jax.layers import Linear, WeightDtype, apply_linear
+
+_F32 = jnp.float32
+_BF16 = jnp.bfloat16
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# The reference's top-k normaliser (not norm_eps, although both are 1e-20 in the release).
+ROUTE_NORM_EPS = 1e-20
+
+MoEPath = Literal["auto", "gather", "grouped"]
+
+
+# ------------------------------------------------------------------------------------- router
+
+
+class Gate(nnx.Module):
+    """Router (SPEC §6.1). Params: weight bf16 [E, dim], bias f32 [E], bias_vl f32 [E] (only when
+    the config has a vision tower; it replaces `bias` for image-span tokens)."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        n_experts, topk = args.moe_experts(layer_id)
+        self.topk = topk
+        self.score_func = args.score_func
+        self.gate_temp = args.gate_temp
+        self.norm_topk_prob = args.norm_topk_prob
+        self.route_scale = args.route_scale
+        self.weight = nnx.Param(jnp.zeros((n_experts, args.dim), _BF16))
+        self.bias = nnx.Param(jnp.zeros((n_experts,), _F32))
+        self.bias_vl = nnx.Param(jnp.zeros((n_experts,), _F32)) if args.vision_enabled else None
+
+    def __call__(self, x: jax.Array, image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [N, dim] (bf16), image_mask [N] bool or None -> (weights f32 [N, k], indices int32 [N, k]).
+
+        Indices are in top-k order (descending biased score; ties -> lower expert id)."""
+        logits = jax.lax.dot_general(
+            x.astype(_F32), self.weight[...].astype(_F32), (((1,), (1,)), ((), ())),
+            precision=_HIGHEST, preferred_element_type=_F32,
+        ) / _F32(self.gate_temp)
+        if self.score_func == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        elif self.score_func == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:
+            scores = jnp.sqrt(jax.nn.softplus(logits))
+        bias = self.bias[...]
+        if image_mask is not None and self.bias_vl is not None:
+            bias = jnp.where(image_mask[:, None], self.bias_vl[...], bias)
+        # the bias steers which experts are picked; the weights come from the unbiased scores
+        _, indices = jax.lax.top_k(scores + bias, self.topk)
+        weights = jnp.take_along_axis(scores, indices, axis=-1)
+        if self.norm_topk_prob and self.topk > 1:
+            # added left to right so every backend forms the same fp32 sum
+            total = weights[:, 0]
+            for j in range(1, self.topk):
+                total = total + weights[:, j]
+            weights = weights / (total + _F32(ROUTE_NORM_EPS))[:, None]
+        weights = weights * _F32(self.route_scale)
+        return weights, indices.astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------ experts
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float, weights: jax.Array | None = None,
+           out_dtype=_BF16) -> jax.Array:
+    """The Expert's hidden activation (SPEC §6.2): w1 / w3 outputs (bf16) -> w2 input (`out_dtype`).
+
+    In fp32: up clamped to [-limit, limit], gate only from above (a large negative gate is kept:
+    silu drives it to 0 on its own); h = silu(gate) * up; the routing weight (f32, broadcast
+    against h) multiplies h here, before w2, so it is rounded into the bf16 w2 input."""
+    g = gate.astype(_F32)
+    u = up.astype(_F32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, _F32(limit))
+    h = jax.nn.silu(g) * u
+    if weights is not None:
+        h = weights.astype(_F32) * h
+    return h.astype(out_dtype)
+
+
+class Expert(nnx.Module):
+    """One SwiGLU FFN (SPEC §6.2) -- the shared expert. w1, w3: [inter, dim]; w2: [dim, inter];
+    each a `Linear` of `dtype` (fp8 in the release)."""
+
+    def __init__(self, dim: int, inter_dim: int, dtype: WeightDtype = "fp8", swiglu_limit: float = 0.0):
+        self.swiglu_limit = swiglu_limit
+        self.w1 = Linear(dim, inter_dim, dtype)
+        self.w2 = Linear(inter_dim, dim, dtype)
+        self.w3 = Linear(dim, inter_dim, dtype)
+
+    def __call__(self, x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """x [..., dim] bf16, weights [..., 1] f32 or None -> bf16 [..., dim]."""
+        h = swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weights, out_dtype=x.dtype)
+        return self.w2(h)
+
+
+def _quantise_input(x: jax.Array, dtype: WeightDtype) -> jax.Array:
+    """The activation a `linear()` of this weight dtype really multiplies, as exact bf16: e4m3 q
+    times its power-of-two scale for fp8 / fp4 weights (quant.act_quant per 32), x itself for
+    bf16 weights."""
+    if dtype in ("fp8", "fp4"):
+        return quant.act_quant_dequant(x).astype(_BF16)
+    return x.astype(_BF16)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [R, K] bf16 with w [N, K] (shared) or [R, N, K] (one matrix per row) -> bf16 [R, N],
+    fp32 accumulation."""
+    batch = ((0,), (0,)) if w.ndim == 3 else ((), ())
+    y = jax.lax.dot_general(x, w, (((1,), (w.ndim - 1,)), batch), precision=_HIGHEST, preferred_element_type=_F32)
+    return y.astype(_BF16)
+
+
+class Experts(nnx.Module):
+    """The routed experts, stacked: w1 / w3 weight [E, inter, dim(/2)], w2 [E, dim, inter(/2)].
+
+    With fp4 (the release): weight packed e2m1 int8 [E, out, in/2], scale e8m0 [E, out, in/32],
+    laid out like the hub's `experts.{e}.wN` tensors stacked on axis 0. A checkpoint without fp4
+    experts (expert_dtype null) uses the plain Linear dtype instead, as the reference does.
+    """
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,
+                 dtype: WeightDtype = "fp4"):
+        self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
+        self.swiglu_limit = swiglu_limit
+        self.dtype = dtype
+        self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
+        self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
+        self.w3 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
+
+    def dense(self, e: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Expert ids e int [...] -> (w1, w3, w2) bf16 [..., out, in] of those experts, dequantised
+        after the gather, so only the selected experts' packed bytes are read (exact in bf16)."""
+
+        def one(lin: Linear) -> jax.Array:
+            w = jnp.take(lin.weight[...], e, axis=0)
+            if self.dtype == "fp4":
+                return quant.dequant_fp4_weight(w, jnp.take(lin.scale[...], e, axis=0), _BF16)
+            if self.dtype == "fp8":
+                return quant.dequant_fp8_weight(w, jnp.take(lin.scale[...], e, axis=0), _BF16)
+            return w.astype(_BF16)
+
+        return one(self.w1), one(self.w3), one(self.w2)
+
+    def ffn(self, xq: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, weights: jax.Array) -> jax.Array:
+        """The per-expert math on dequantised weights, shared by both MoE paths.
+
+        xq [R, dim] bf16 (already `_quantise_input`-ed); w1/w3 [inter, dim] and w2 [dim, inter]
+        (one expert for all rows) or [R, ...] (one per row); weights [R] f32 -> bf16 [R, dim]."""
+        h = swiglu(_dot(xq, w1), _dot(xq, w3), self.swiglu_limit, weights[:, None])
+        return _dot(_quantise_input(h, self.dtype), w2)
+
+    def apply_one(self, e: int, x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+        """Expert e alone, through the plain `linear()` dispatch (layers.apply_linear), exactly as
+        the reference's `Expert.forward`: x [..., dim] bf16, weights [..., 1] or None -> bf16."""
+
+        def lin(m: Linear, h):
+            s = None if m.scale is None else m.scale[...][e]
+            return apply_linear(h, m.weight[...][e], s, self.dtype)
+
+        h = swiglu(lin(self.w1, x), lin(self.w3, x), self.swiglu_limit, weights, out_dtype=x.dtype)
+        return lin(self.w2, h)
+
+
+# ----------------------------------------------------------------------------------------- MoE
+
+
+class MoE(nnx.Module):
+    """Routed experts plus one shared expert (SPEC §6).
+
+    Attributes: `gate` (Gate), `experts` (Experts, stacked fp4), `shared_experts` (Expert, fp8).
+
+    Two routed-expert paths with the same rounding points, picked statically from the number of
+    (token, expert) pairs R = N * k:
+      * gather (R <= gather_max_pairs; decode): each pair's packed expert weights are gathered
+        and dequantised to bf16 inside the computation, then one batched matmul per projection.
+        Transient memory R * 3 * inter * dim * 2 bytes (71 MB per pair at the released size),
+        and only the selected experts' bytes are read.
+      * grouped (prefill): pairs are sorted by expert and cut into tiles of `tile_rows` rows that
+        each belong to one expert (at most ceil(R / tile_rows) + E tiles); a `lax.scan` over the
+        tiles dequantises one expert's three matrices and runs them on its rows. Transient
+        memory: one expert's bf16 weights plus one tile of activations; weight traffic is one
+        dequantisation per tile, so at most E tiles are partly empty. A multi-device run should
+        replace this with expert parallelism (experts sharded over devices, pairs dispatched with
+        an all-to-all) and a grouped GEMM that widens fp4 inside the kernel.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs, *, gather_max_pairs: int = 64, tile_rows: int = 128):
+        n_experts, topk = args.moe_experts(layer_id)
+        self.layer_id = layer_id
+        self.dim = args.dim
+        self.n_experts, self.topk = n_experts, topk
+        self.gather_max_pairs = gather_max_pairs
+        self.tile_rows = tile_rows
+        plain: WeightDtype = "fp8" if args.dtype == "fp8" else "bf16"
+        expert_dtype: WeightDtype = "fp4" if args.expert_dtype == "fp4" else plain
+        self.gate = Gate(layer_id, args)
+        self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype)
+        self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit)
+
+    def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
+        """x [b, s, dim] bf16, image_mask [b, s] bool or None.
+
+        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]})."""
+        if path not in ("auto", "gather", "grouped"):
+            raise ValueError(f"MoE path must be 'auto', 'gather' or 'grouped', got {path!r}")
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        n, k = x.shape[0], self.topk
+        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        if path == "auto":
+            path = "gather" if n * k <= self.gather_max_pairs else "grouped"
+        # act_quant works per token, so each token is quantised once for all of its experts
+        xq = _quantise_input(x, self.experts.dtype)
+        route = self._routed_gather if path == "gather" else self._routed_grouped
+        pair_out = route(xq, weights, indices)
+        y = combine(pair_out.reshape(n, k, self.dim), indices, self.shared_experts(x))
+        return y.reshape(shape), {"route_idx": indices, "route_w": weights}
+
+    def _routed_gather(self, xq, weights, indices):
+        """-> bf16 [N*k, dim], pair p = token * k + slot."""
+        n, k = indices.shape
+        w1, w3, w2 = self.experts.dense(indices.reshape(-1))
+        return self.experts.ffn(jnp.repeat(xq, k, axis=0), w1, w3, w2, weights.reshape(-1))
+
+    def _routed_grouped(self, xq, weights, indices):
+        """-> bf16 [N*k, dim], pair p = token * k + slot."""
+        n, k = indices.shape
+        r, n_exp = n * k, self.n_experts
+        c = min(self.tile_rows, r)
+        flat = indices.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within
+        x_sorted = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, self.dim), xq.dtype)])
+        w_sorted = jnp.concatenate([jnp.take(weights.reshape(-1), order), jnp.zeros((c,), _F32)])
+
+        counts = jnp.zeros((n_exp,), jnp.int32).at[flat].add(1)
+        starts = jnp.cumsum(counts) - counts  # first sorted row of each expert
+        n_tiles = (counts + c - 1) // c
+        tile_end = jnp.cumsum(n_tiles)  # tiles [tile_end[e] - n_tiles[e], tile_end[e]) are expert e's
+        # each expert wastes less than one tile, and every tile holds at least one row
+        max_tiles = min(r, (r + n_exp * (c - 1)) // c)
+        t = jnp.arange(max_tiles, dtype=jnp.int32)
+        tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+        live = tile_expert < n_exp
+        e = jnp.minimum(tile_expert, n_exp - 1)
+        j = t - (tile_end[e] - n_tiles[e])  # tile number within its expert
+        row0 = jnp.where(live, starts[e] + j * c, r)  # dead tiles point at the zero padding
+        valid = jnp.where(live, jnp.clip(counts[e] - j * c, 0, c), 0)
+
+        def step(out, tile):
+            e_t, row0_t, valid_t = tile
+            w1, w3, w2 = self.experts.dense(e_t)
+            rows = jax.lax.dynamic_slice_in_dim(x_sorted, row0_t, c)
+            rw = jax.lax.dynamic_slice_in_dim(w_sorted, row0_t, c)
+            y = self.experts.ffn(rows, w1, w3, w2, rw)
+            old = jax.lax.dynamic_slice_in_dim(out, row0_t, c)
+            keep = (jnp.arange(c) < valid_t)[:, None]  # rows past the tile's end belong to other experts
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row0_t, 0), None
+
+        out0 = jnp.zeros((r + c, self.dim), _BF16)
+        out_sorted, _ = jax.lax.scan(step, out0, (e, row0, valid))
+        return jnp.zeros((r, self.dim), _BF16).at[order].set(out_sorted[:r])
+
+
+def combine(pair_out: jax.Array, indices: jax.Array, shared: jax.Array) -> jax.Array:
+    """The reference's accumulation (SPEC §6.3): pair_out bf16 [N, k, dim] (slot order of
+    `indices` [N, k]), shared bf16 [N, dim] -> bf16 [N, dim].
+
+    fp32 sum starting from 0, adding each token's expert outputs in ascending expert id (the
+    reference loops over experts in that order), then the shared expert, then one bf16 cast."""
+    perm = jnp.argsort(indices, axis=-1)
+    ordered = jnp.take_along_axis(pair_out, perm[:, :, None], axis=1)
+    y = jnp.zeros(shared.shape, _F32)
+    for j in range(pair_out.shape[1]):
+        y = y + ordered[:, j].astype(_F32)
+    y = y + shared.astype(_F32)
+    return y.astype(_BF16)
