@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.numerics import cast
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ConfigError, ModelArgs
 from dsv41_jax.layers import Linear
@@ -326,7 +327,7 @@ class EngramEmbedding(nnx.Module):
         w = jnp.take(self.weight[...], safe, axis=0).astype(jnp.float32)  # [..., hd]
         s = quant.e8m0_to_f32(jnp.take(self.scale[...], safe, axis=0))  # [..., hd / 32]
         v = (w.reshape(*w.shape[:-1], -1, QUANT_BLOCK) * s[..., None]).reshape(w.shape)
-        return jnp.where(valid[..., None], v, 0.0).astype(jnp.bfloat16)
+        return cast(jnp.where(valid[..., None], v, 0.0), jnp.bfloat16)
 
 
 def engram_gate(h: jax.Array, key: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -383,4 +384,4 @@ class Engram(nnx.Module):
         gate = engram_gate(h, key, weight, self.eps)  # [b, s, hc]
         if token_mask is not None:
             gate = jnp.where(token_mask[..., None], gate, 0.0)
-        return (h + gate[..., None] * value.astype(jnp.float32)[..., None, :]).astype(x.dtype)
+        return cast(h + gate[..., None] * value.astype(jnp.float32)[..., None, :], x.dtype)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ceil_div
+from dsv41_jax.numerics import cast
 
 WeightDtype = Literal["fp8", "fp4", "bf16", "fp32"]
 
@@ -72,7 +73,7 @@ def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightD
         x.astype(out_dtype), w.astype(out_dtype), (((x.ndim - 1,), (w.ndim - 1,)), ((), ())),
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
-    return y.astype(out_dtype)
+    return cast(y, out_dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -89,7 +90,8 @@ class RMSNorm(nnx.Module):
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    return (w.astype(jnp.float32) * (xf * jax.lax.rsqrt(var + jnp.float32(eps)))).astype(x.dtype)
+    # 1/sqrt rather than lax.rsqrt: it rounds like the reference's torch.rsqrt on CPU
+    return cast(w.astype(jnp.float32) * (xf * (1.0 / jnp.sqrt(var + jnp.float32(eps)))), x.dtype)
 
 
 class Embedding(nnx.Module):
@@ -143,5 +145,5 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rd: int, inverse: b
         sin = -sin
     out_re = re * cos - im * sin
     out_im = re * sin + im * cos
-    rot = jnp.stack([out_re, out_im], axis=-1).reshape(tail.shape).astype(x.dtype)
+    rot = cast(jnp.stack([out_re, out_im], axis=-1).reshape(tail.shape), x.dtype)
     return jnp.concatenate([head, rot], axis=-1)

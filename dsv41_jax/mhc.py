@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics import cast
 from pallas_kernels.sinkhorn.reference import hc_split_sinkhorn
 
 
@@ -19,14 +20,14 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     projection, without a weight. Returns (pre, post, comb), all f32."""
     b, s, hc, d = x.shape
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
-    rsqrt = jax.lax.rsqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
+    rsqrt = 1.0 / jnp.sqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
     mixes = jnp.einsum("bsk,mk->bsm", u, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * rsqrt
     return hc_split_sinkhorn(mixes, scale, base, hc=hc, iters=iters, eps=hc_eps)
 
 
 def hc_pre(x: jax.Array, pre_mix: jax.Array) -> jax.Array:
     """Collapse the copies: sum_i pre_mix[..., i] * x[..., i, :] in f32, cast to x.dtype. -> [b, s, d]"""
-    return jnp.sum(pre_mix[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+    return cast(jnp.sum(pre_mix[..., None] * x.astype(jnp.float32), axis=-2), x.dtype)
 
 
 def hc_post(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
@@ -36,7 +37,7 @@ def hc_post(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array)
     """
     y = post[..., None] * f[..., None, :].astype(jnp.float32)
     y = y + jnp.sum(comb[..., None] * residual[..., :, None, :].astype(jnp.float32), axis=-3)
-    return y.astype(f.dtype)
+    return cast(y, f.dtype)
 
 
 def identity_pre_mix(b: int, s: int, hc: int) -> jax.Array:

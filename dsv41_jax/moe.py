@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41_jax.numerics import cast
 from dsv41_jax import quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear
@@ -110,7 +111,7 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float, weights: jax.Array | No
     h = jax.nn.silu(g) * u
     if weights is not None:
         h = weights.astype(_F32) * h
-    return h.astype(out_dtype)
+    return cast(h, out_dtype)
 
 
 class Expert(nnx.Module):
@@ -143,7 +144,7 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     fp32 accumulation."""
     batch = ((0,), (0,)) if w.ndim == 3 else ((), ())
     y = jax.lax.dot_general(x, w, (((1,), (w.ndim - 1,)), batch), precision=_HIGHEST, preferred_element_type=_F32)
-    return y.astype(_BF16)
+    return cast(y, _BF16)
 
 
 class Experts(nnx.Module):
@@ -309,4 +310,4 @@ def combine(pair_out: jax.Array, indices: jax.Array, shared: jax.Array) -> jax.A
     for j in range(pair_out.shape[1]):
         y = y + ordered[:, j].astype(_F32)
     y = y + shared.astype(_F32)
-    return y.astype(_BF16)
+    return cast(y, _BF16)

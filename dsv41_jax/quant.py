@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax.numerics import exact_div, to_bf16
+
 BLOCK = 32
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -241,8 +243,9 @@ def fp4_quant_dequant_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
     """
     xb = _blocks(x.astype(_F32), block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), _F32(FP4_MAX * 2.0**-9))
-    s = _round_e4m3(jnp.minimum(amax / _F32(FP4_MAX), _F32(FP8_MAX)))
-    q = _round_e2m1(jnp.clip(xb / s[..., None], -FP4_MAX, FP4_MAX))
+    # exact divisions: XLA may otherwise use x * (1/s), which moves exact e2m1 ties off the tie
+    s = _round_e4m3(jnp.minimum(exact_div(amax, FP4_MAX), _F32(FP8_MAX)))
+    q = _round_e2m1(jnp.clip(exact_div(xb, s[..., None]), -FP4_MAX, FP4_MAX))
     return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
 
 
@@ -255,7 +258,7 @@ def fp4_quant_dequant_ue8m0(x: jax.Array, block: int = BLOCK) -> jax.Array:
     """
     xb = _blocks(x.astype(_F32), block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), _F32(FP4_MAX * 2.0**-126))
-    s = _pow2_ceil(amax / _F32(FP4_MAX))
+    s = _pow2_ceil(exact_div(amax, FP4_MAX))
     q = _round_e2m1(jnp.clip(xb / s[..., None], -FP4_MAX, FP4_MAX))
     return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
 
@@ -355,7 +358,7 @@ def _linear_bf16(x: jax.Array, wd: jax.Array) -> jax.Array:
     y = jax.lax.dot_general(
         xq, wd, (((x.ndim - 1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32
     )
-    return y.astype(jnp.bfloat16)
+    return to_bf16(y)
 
 
 @jax.jit

@@ -1,0 +1,429 @@
+"""Attention of DeepSeek V4.1 (SPEC §5): sliding-window KV plus a compressed, indexer-selected KV
+stream, one `sparse_attn` over both, grouped low-rank output.
+
+Every layer's role (window / source / reindex / reuse, SPEC §1.3) is a static Python fact of the
+config, so each layer traces only its own branch. Cross-layer state travels up the stack in a
+plain dict `shared` (missing key = not published yet):
+
+  "compress_kv" bf16 [b, S//r, hd]   compressed KV of the latest kv source (RoPE'd, FP4-QDQ'd)
+  "index_k"     bf16 [b, S//r, ihd]  index keys of the latest kv source (RoPE'd, FP4-QDQ'd)
+  "topk"        int32 [b, S, k]      compressed indices of the latest index source, offset included
+  "candidates"  bool [b, S, S//r]    candidate mask of the candidate source
+
+Only prefill (start_pos == 0, positions 0..S-1) is implemented as a whole; the stages are separate
+functions so a decode step with caches can reuse them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.numerics import round_bf16, to_bf16
+from dsv41_jax import quant
+from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
+from dsv41_jax.layers import Linear, RMSNorm, apply_rope, rope_angles, rope_freqs
+from pallas_kernels.sparse_attention.reference import sparse_attn
+
+_F32 = jnp.float32
+_BF16 = jnp.bfloat16
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_freqs(rd: int, original_seq_len: int, base: float, factor: float, beta_fast: int, beta_slow: int):
+    return rope_freqs(rd, original_seq_len, base, factor, beta_fast, beta_slow)
+
+
+def layer_freqs(args: ModelArgs, layer_id: int) -> np.ndarray:
+    """RoPE frequencies f32 [rd/2] of a layer: compress layers use compress_rope_theta + YaRN,
+    window-only layers rope_theta without YaRN. The layer's Indexer uses the same table."""
+    return _layer_freqs(args.rope_head_dim, args.rope_original_seq_len(layer_id), float(args.rope_base(layer_id)),
+                        float(args.rope_factor), args.beta_fast, args.beta_slow)
+
+
+def _rope_at(freqs: np.ndarray, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32 [1, len(positions), rd/2] for `apply_rope`."""
+    cos, sin = rope_angles(freqs, positions)
+    return cos[None], sin[None]
+
+
+def _linear_dtype(args: ModelArgs) -> str:
+    """Storage of the projections that the reference creates with its default dtype."""
+    return "fp8" if args.dtype == "fp8" else "bf16"
+
+
+def _require(shared: dict, key: str, layer_id: int) -> jax.Array:
+    if key not in shared:
+        raise KeyError(
+            f"layer {layer_id} reads shared[{key!r}], which no lower layer has published; run the layers "
+            f"in order, starting from the source layer (published so far: {sorted(shared)})"
+        )
+    return shared[key]
+
+
+# ------------------------------------------------------------------------------ window indices
+
+
+def window_topk_idxs(window: int, seqlen: int, start_pos) -> jax.Array:
+    """Window-KV slots each query attends to (SPEC §5.4), int32, -1 = nothing there.
+
+    Prefill (start_pos == 0, a Python int): [seqlen, min(seqlen, window)]; row t lists positions
+    max(0, t-window+1) .. that + width-1, entries beyond t set to -1.
+    Decode (seqlen == 1; start_pos may be traced): [1, window], the ring slots oldest first,
+    (P%window)+1 .. window-1, 0 .. P%window, slots > P (ring still filling) set to -1.
+    """
+    if isinstance(start_pos, (int, np.integer)) and start_pos == 0:
+        t = np.arange(seqlen)[:, None]
+        idx = np.maximum(t - window + 1, 0) + np.arange(min(seqlen, window))[None, :]
+        return jnp.asarray(np.where(idx > t, -1, idx), jnp.int32)
+    if seqlen != 1:
+        raise ValueError(f"a decode step (start_pos > 0) takes exactly one token, got seqlen={seqlen}")
+    p = jnp.asarray(start_pos, jnp.int32)
+    slots = (jnp.arange(window, dtype=jnp.int32) + p % window + 1) % window
+    return jnp.where(slots > p, -1, slots)[None, :]
+
+
+@functools.partial(jax.jit, static_argnames="window")
+def window_ring(kv: jax.Array, window: int) -> jax.Array:
+    """The window cache after a prefill: kv [b, S, hd] -> [b, window, hd] with position p in slot
+    p % window for the last min(S, window) positions, zeros in the never-written slots."""
+    b, s, d = kv.shape
+    n = min(s, window)
+    pos = np.arange(s - n, s)
+    return jnp.zeros((b, window, d), kv.dtype).at[:, pos % window].set(kv[:, s - n:])
+
+
+# ----------------------------------------------------------------------------- candidate blocks
+
+
+@functools.partial(jax.jit, static_argnames=("topk_blocks", "block_size"))
+def select_candidate_blocks(scores: jax.Array, compress_lens, topk_blocks: int, block_size: int):
+    """Level one of the two-level top-k (SPEC §5.8).
+
+    scores [..., W] (causally masked with -inf); compress_lens int or int array broadcasting
+    against scores[..., :1] (each query's number of visible positions).
+    Returns (mask bool [..., W], block_scores [..., ceil(W/block_size)] in scores.dtype): block
+    score = max of its positions (W padded with -inf), the block holding the newest visible position
+    pinned to +inf; the top min(topk_blocks, n_blocks) blocks (ties -> lower block) that are > -inf
+    are kept and expanded back to positions.
+    """
+    w = scores.shape[-1]
+    pad = -w % block_size
+    padded = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    n_blocks = padded.shape[-1] // block_size
+    blocks = jnp.max(padded.reshape(*scores.shape[:-1], n_blocks, block_size), axis=-1)
+    # floor division: a query that sees nothing has last = -1 and pins no block
+    last = (jnp.asarray(compress_lens) - 1) // block_size
+    blocks = jnp.where(jnp.arange(n_blocks) == last, jnp.asarray(jnp.inf, blocks.dtype), blocks)
+    vals, idx = jax.lax.top_k(blocks, min(topk_blocks, n_blocks))
+    keep = jnp.put_along_axis(jnp.zeros(blocks.shape, bool), idx, vals > -jnp.inf, axis=-1, inplace=False)
+    return jnp.repeat(keep, block_size, axis=-1)[..., :w], blocks
+
+
+# --------------------------------------------------------------------------------- compressor
+
+
+class Compressor(nnx.Module):
+    """Pools `ratio` consecutive tokens into one KV latent (SPEC §5.6); kv-source layers only.
+
+    wkv [hd, dim]: bf16 for ratio 1, f32 (holding bf16 values) for ratio > 1; wgate [hd, dim] f32
+    (ratio > 1); norm RMSNorm(hd). The latent is returned BEFORE RoPE: the indexer needs it so.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        self.ratio = args.compress_ratios[layer_id]
+        if self.ratio <= 0:
+            raise ValueError(f"layer {layer_id} has compress ratio {self.ratio}: it has no Compressor")
+        self.head_dim = args.head_dim
+        self.norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.wkv = Linear(args.dim, args.head_dim, "fp32" if self.ratio > 1 else "bf16")
+        if self.ratio > 1:
+            self.wgate = Linear(args.dim, args.head_dim, "fp32")
+
+    def __call__(self, x: jax.Array):
+        """Prefill. x bf16 [b, S, dim] -> (latent bf16 [b, S//r, hd], kv_state, score_state).
+
+        States are f32 [b, r, hd] (None for ratio 1): zeros / -inf, with the trailing S % r tokens
+        that form no complete group parked in slots 0..S%r-1 for the decode steps to finish.
+        """
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), None, None
+        b, s, _ = x.shape
+        r, n, hd = self.ratio, s // self.ratio, self.head_dim
+        xf = round_bf16(x)  # x is bf16: the exact values, even if an upstream rounding was fused away
+        kv, score = self.wkv(xf), self.wgate(xf)  # f32 [b, S, hd]
+        cut = n * r
+        kv_state = jnp.zeros((b, r, hd), _F32).at[:, : s - cut].set(kv[:, cut:])
+        score_state = jnp.full((b, r, hd), -jnp.inf, _F32).at[:, : s - cut].set(score[:, cut:])
+        pooled = pool_groups(kv[:, :cut].reshape(b, n, r, hd), score[:, :cut].reshape(b, n, r, hd))
+        # the reference casts the f32 pool to bf16 BEFORE the norm
+        return self.norm(to_bf16(pooled)), kv_state, score_state
+
+
+@jax.jit
+def pool_groups(kv: jax.Array, score: jax.Array) -> jax.Array:
+    """f32 [..., r, hd] x2 -> f32 [..., hd]: per channel, softmax of score over the r tokens of a
+    group (max-subtracted, divided by the sum), weighted sum of kv."""
+    e = jnp.exp(score - jnp.max(score, axis=-2, keepdims=True))
+    return jnp.sum(kv * (e / jnp.sum(e, axis=-2, keepdims=True)), axis=-2)
+
+
+# ------------------------------------------------------------------------------------ indexer
+
+
+@jax.jit
+def index_scores(q: jax.Array, k: jax.Array, w: jax.Array) -> jax.Array:
+    """score[b, s, t] = sum_h relu(q[b,s,h].k[b,t]) * w[b,s,h], in the reference's bf16 steps.
+
+    q bf16 [b, s, h, d]; k bf16 [b, t, d]; w bf16 [b, s, h] -> bf16 [b, s, t].
+    Each dot is accumulated in f32 and rounded to bf16 once; relu; the product with w rounded to
+    bf16 (exact in f32 first); the head sum accumulated in f32 and rounded to bf16 once.
+    """
+    dots = round_bf16(jnp.einsum("bshd,btd->bsht", q, k, precision=_HIGHEST, preferred_element_type=_F32))
+    prod = round_bf16(jnp.maximum(dots, 0) * round_bf16(w)[..., None])  # exact product, one rounding
+    return to_bf16(jnp.sum(prod, axis=2))
+
+
+def causal_compress_lens(seqlen: int, ratio: int) -> jax.Array:
+    """Prefill: compressed positions visible to each query, (t+1)//ratio, int32 [seqlen, 1]."""
+    return jnp.asarray((np.arange(1, seqlen + 1) // ratio)[:, None], jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "offset"))
+def select_topk(scores: jax.Array, compress_lens, k: int, offset: int) -> jax.Array:
+    """Top-k positions of scores [..., W] (ties -> lower index), sorted ascending; positions at or
+    beyond the query's compress_len become -1, the rest are shifted by `offset` -> int32 [..., k]."""
+    _, idx = jax.lax.top_k(scores, k)
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx < compress_lens, idx + offset, -1).astype(jnp.int32)
+
+
+class Indexer(nnx.Module):
+    """Chooses the compressed positions each query attends to (SPEC §5.7); index-source layers.
+
+    wq_b [ih*ihd, q_lora_rank] fp8; weights_proj [ih, dim] bf16; on kv sources (key owners) also
+    wk [ihd, hd] bf16 and k_norm RMSNorm(ihd).
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        self.layer_id = layer_id
+        self.ratio = args.compress_ratios[layer_id]
+        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.rope_head_dim
+        self.index_topk = args.index_topk
+        self.owns_k = args.is_kv_source(layer_id)
+        self.is_candidate_source = args.is_candidate_source(layer_id)
+        self.uses_candidates = args.uses_candidates(layer_id)
+        self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
+        # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args))
+        self.weights_proj = Linear(args.dim, self.n_heads, "bf16")
+        if self.owns_k:
+            self.wk = Linear(args.head_dim, self.head_dim, "bf16")
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+
+    def keys(self, latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Index keys from the pre-RoPE latent bf16 [b, n, hd] -> bf16 [b, n, ihd]: k_norm(wk(.)),
+        RoPE at the group-start positions (cos/sin [1, n, rd/2]), FP4 QDQ (UE8M0, 32)."""
+        if not self.owns_k:
+            raise ValueError(f"layer {self.layer_id}'s indexer owns no index keys")
+        k = apply_rope(self.k_norm(self.wk(latent)), cos, sin, self.rope_dim)
+        return quant.fp4_quant_dequant_ue8m0(k, QUANT_BLOCK)
+
+    def queries(self, qr: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """qr bf16 [b, s, q_lora_rank] -> q bf16 [b, s, ih, ihd]: RoPE at the query positions,
+        FP4 QDQ (UE8M0, 32)."""
+        b, s, _ = qr.shape
+        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, self.rope_dim)
+        return quant.fp4_quant_dequant_ue8m0(q, QUANT_BLOCK)
+
+    def head_weights(self, x: jax.Array) -> jax.Array:
+        """x bf16 [b, s, dim] -> bf16 [b, s, ih] = weights_proj(x) * ihd^-0.5 * ih^-0.5 (f32 product)."""
+        return to_bf16(round_bf16(self.weights_proj(x)) * _F32(self.weight_scale))
+
+    def prefill(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
+                offset: int, candidates: jax.Array | None = None) -> dict:
+        """Scores and top-k for a prefill. x [b, S, dim], qr [b, S, q_lora_rank], index_k bf16
+        [b, S//r, ihd], cos/sin at positions 0..S-1, offset = window-KV length (S), candidates
+        bool [b, S, S//r] (layers that use them).
+
+        Returns {"topk" int32 [b, S, k], "index_score" bf16 [b, S, S//r]} plus, on the candidate
+        source, {"candidates" bool [b, S, S//r], "cand_block_score" bf16 [b, S, n_blocks]}.
+        """
+        s = x.shape[1]
+        width = index_k.shape[1]
+        if width != s // self.ratio:
+            raise ValueError(f"index_k has {width} rows, expected S//ratio = {s // self.ratio}")
+        scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
+        lens = causal_compress_lens(s, self.ratio)
+        scores = jnp.where(jnp.arange(width) >= lens, jnp.asarray(-jnp.inf, scores.dtype), scores)
+        out = {}
+        if self.is_candidate_source:
+            out["candidates"], out["cand_block_score"] = select_candidate_blocks(
+                scores, lens, self.candidate_topk_blocks, self.candidate_block_size)
+        elif self.uses_candidates:
+            if candidates is None:
+                raise ValueError(f"layer {self.layer_id} masks to the candidate blocks, but none were given")
+            scores = jnp.where(candidates, scores, jnp.asarray(-jnp.inf, scores.dtype))
+        out["index_score"] = scores
+        out["topk"] = select_topk(scores, lens, min(self.index_topk, width), offset)
+        return out
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+class Attention(nnx.Module):
+    """One layer's attention (SPEC §5). Parameters as the reference names them:
+    wq_a [q_lora_rank, dim] fp8, q_norm, wq_b [H*hd, q_lora_rank] fp8, wkv [hd, dim] fp8, kv_norm,
+    wo_a [g*o_lora_rank, H*hd/g] bf16, wo_b [dim, g*o_lora_rank] fp8, attn_sink f32 [H];
+    compressor (kv sources) and indexer (index sources).
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        self.layer_id = layer_id
+        self.role = args.attn_role(layer_id)
+        self.ratio = args.compress_ratios[layer_id] if self.role != "window" else 0
+        self.n_heads, self.head_dim, self.rope_dim = args.n_heads, args.head_dim, args.rope_head_dim
+        self.window = args.window_size
+        self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
+        self.softmax_scale = args.softmax_scale
+        self.is_index_source = args.is_index_source(layer_id)
+        self.uses_candidates = args.uses_candidates(layer_id)
+        self.is_candidate_source = args.is_candidate_source(layer_id)
+        self.freqs = tuple(float(f) for f in layer_freqs(args, layer_id))
+        lin = _linear_dtype(args)
+        eps = args.norm_eps
+        hd_all = self.n_heads * self.head_dim
+
+        self.attn_sink = nnx.Param(jnp.zeros((self.n_heads,), _F32))
+        self.wq_a = Linear(args.dim, args.q_lora_rank, lin)
+        self.q_norm = RMSNorm(args.q_lora_rank, eps)
+        self.wq_b = Linear(args.q_lora_rank, hd_all, lin)
+        self.wkv = Linear(args.dim, self.head_dim, lin)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.wo_a = Linear(hd_all // self.n_groups, self.n_groups * self.o_lora_rank, "bf16")
+        self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim, lin)
+        # shared keys this layer reads (published by lower layers)
+        self.reads = tuple(
+            ([] if self.role in ("window", "source") else ["compress_kv"])
+            + (["index_k"] if self.role == "reindex" else [])
+            + (["topk"] if self.role == "reuse" else [])
+            + (["candidates"] if self.uses_candidates else [])
+        )
+        self.compressor = Compressor(layer_id, args) if self.role == "source" else None
+        self.indexer = Indexer(layer_id, args) if self.is_index_source else None
+
+    # ------------------------------------------------------------------ stages
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos, sin f32 [1, len, rd/2] of this layer's table at `positions` int [len]."""
+        return _rope_at(np.asarray(self.freqs, np.float32), positions)
+
+    def query(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qr bf16 [b, s, q_lora_rank])."""
+        b, s, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        return apply_rope(q, cos, sin, self.rope_dim), qr
+
+    def window_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """x bf16 [b, s, dim] -> kv bf16 [b, s, hd]: kv_norm(wkv(x)), RoPE, then FP8 QDQ (32, UE8M0)
+        over the whole vector, RoPE tail included."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, self.rope_dim)
+        return quant.act_quant_dequant(kv, QUANT_BLOCK)
+
+    def compress_latent(self, latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Pre-RoPE latent bf16 [b, n, hd] -> cached compressed KV: RoPE at the group starts
+        (cos/sin [1, n, rd/2]), FP4 QDQ with E4M3 scales per 16."""
+        return quant.fp4_quant_dequant_e4m3(apply_rope(latent, cos, sin, self.rope_dim), COMPRESSED_KV_BLOCK)
+
+    def output(self, o: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """o bf16 [b, s, H, hd] -> bf16 [b, s, dim]: de-rotate, grouped low-rank wo_a, then wo_b."""
+        b, s = o.shape[:2]
+        o = apply_rope(o, cos, sin, self.rope_dim, inverse=True)
+        o = round_bf16(o).reshape(b, s, self.n_groups, -1)
+        wo_a = self.wo_a.weight[...].astype(_F32).reshape(self.n_groups, self.o_lora_rank, -1)
+        # block-diagonal over groups: group g only sees its own heads. bf16 values in (products
+        # exact in f32), f32 sums, one rounding to bf16
+        y = to_bf16(jnp.einsum("bsgd,grd->bsgr", o, wo_a, precision=_HIGHEST, preferred_element_type=_F32))
+        return self.wo_b(y.reshape(b, s, self.n_groups * self.o_lora_rank))
+
+    def compressed_prefill(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array,
+                           shared: dict, aux: dict) -> tuple[jax.Array, jax.Array]:
+        """The compressed branch of a prefill (SPEC §5.5-5.9). Updates `shared` / `aux` in place.
+        Returns (compressed KV bf16 [b, S//r, hd], indices int32 [b, S, k], offset by S)."""
+        b, s, _ = x.shape
+        r = self.ratio
+        n = s // r
+        if self.role == "source":
+            latent, kv_state, score_state = self.compressor(x)
+            if kv_state is not None:
+                aux["kv_state"], aux["score_state"] = kv_state, score_state
+            gcos, gsin = self.rope(jnp.arange(n) * r)  # a latent sits at its group's first token
+            # index keys come from the latent BEFORE it is rotated and quantised for the cache
+            shared["index_k"] = aux["index_k"] = self.indexer.keys(latent, gcos, gsin)
+            shared["compress_kv"] = aux["compress_kv"] = self.compress_latent(latent, gcos, gsin)
+        compress_kv = _require(shared, "compress_kv", self.layer_id)
+        if compress_kv.shape[1] != n:
+            raise ValueError(f"layer {self.layer_id}: shared compress_kv has {compress_kv.shape[1]} rows, expected {n}")
+        if self.is_index_source:
+            if n == 0:
+                topk = jnp.zeros((b, s, 0), jnp.int32)
+            else:
+                cand = _require(shared, "candidates", self.layer_id) if self.uses_candidates else None
+                res = self.indexer.prefill(x, qr, _require(shared, "index_k", self.layer_id), cos, sin,
+                                           offset=s, candidates=cand)
+                topk = res["topk"]
+                aux.update(res)
+                if self.is_candidate_source:
+                    shared["candidates"] = res["candidates"]
+            shared["topk"] = aux["topk"] = topk
+        topk = _require(shared, "topk", self.layer_id)
+        return compress_kv, topk
+
+    # ------------------------------------------------------------------ forward
+
+    def prefill_operands(self, x: jax.Array, shared: dict):
+        """Everything `sparse_attn` takes for a prefill of positions 0..S-1.
+
+        x bf16 [b, S, dim] -> (q bf16 [b, S, H, hd], kv bf16 [b, S + S//r, hd] (window KV then the
+        compressed KV), idx int32 [b, S, min(S, window) + k] (window slots then compressed rows,
+        already offset by S), shared (a new dict with this layer's publications), aux).
+        """
+        b, s, _ = x.shape
+        shared, aux = dict(shared), {}
+        for key in self.reads:
+            _require(shared, key, self.layer_id)
+        cos, sin = self.rope(jnp.arange(s))
+        q, qr = self.query(x, cos, sin)
+        kv = self.window_kv(x, cos, sin)
+        aux["window_kv"] = window_ring(kv, self.window)
+        idx = jnp.broadcast_to(window_topk_idxs(self.window, s, 0)[None], (b, s, min(s, self.window)))
+        if self.ratio:
+            compress_kv, topk = self.compressed_prefill(x, qr, cos, sin, shared, aux)
+            kv = jnp.concatenate([kv, compress_kv.astype(kv.dtype)], axis=1)
+            idx = jnp.concatenate([idx, topk], axis=-1)
+        return q, kv, idx, shared, aux
+
+    def __call__(self, x: jax.Array, shared: dict) -> tuple[jax.Array, dict, dict]:
+        """Prefill of positions 0..S-1. x bf16 [b, S, dim], shared (see module doc) ->
+        (out bf16 [b, S, dim], shared updated with what this layer publishes, aux).
+
+        aux: "window_kv" bf16 [b, window, hd] (the ring after prefill) and, where the layer has
+        them, "compress_kv", "index_k", "kv_state", "score_state", "topk", "index_score",
+        "candidates", "cand_block_score" (shapes as in the golden sets).
+        """
+        q, kv, idx, shared, aux = self.prefill_operands(x, shared)
+        o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale)
+        cos, sin = self.rope(jnp.arange(x.shape[1]))
+        return self.output(o, cos, sin), shared, aux
