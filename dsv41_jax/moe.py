@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.numerics import cast
+from dsv41_jax.numerics import cast, exact_div
 from dsv41_jax import quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear
@@ -88,7 +88,7 @@ class Gate(nnx.Module):
             total = weights[:, 0]
             for j in range(1, self.topk):
                 total = total + weights[:, j]
-            weights = weights / (total + _F32(ROUTE_NORM_EPS))[:, None]
+            weights = exact_div(weights, (total + _F32(ROUTE_NORM_EPS))[:, None])
         weights = weights * _F32(self.route_scale)
         return weights, indices.astype(jnp.int32)
 

@@ -1,0 +1,268 @@
+"""Parity against golden sets produced by the official PyTorch reference (SPEC §20).
+
+A golden set is a directory with a tiny hub-format checkpoint (`model.safetensors.index.json` +
+shards), `config.json`, `inputs.json`, `engram_map.npy` and `expected.npz` (bf16 arrays stored as
+uint16 bits under keys ending in `.bf16`). The port runs teacher-forced: each block gets the
+golden input of its step, so every block is compared on its own (the tiny random models are
+chaotic end to end).
+
+    python -m dsv41_jax.parity GOLDEN_DIR [--out RESULT.npz]
+
+writes every array the port computes under the golden key names / shapes / encodings, prints a
+table (array, max abs err, worst err / RMS, ok) and exits 1 if any array fails its criterion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.config import ModelArgs
+from dsv41_jax.loading import load_hub_weights
+from dsv41_jax.mhc import identity_pre_mix
+from dsv41_jax.model import Transformer
+
+# Parts of a golden checkpoint that the text model does not hold (vision tower, DSpark stages).
+NOT_IN_TEXT_MODEL = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
+
+# Criteria (SPEC §20), with the bounds measured on the shipped golden sets (tests pin them):
+BF16_REL = 2.0**-7  # bf16 streams: |port - gold| <= 2^-7 |gold| + 2^-7 RMS(gold)
+PREMIX_ATOL = 3e-4  # measured max 1.8e-4, at single tokens where an upstream rounding flipped
+ROUTE_W_ATOL = 6e-4  # measured max 4.2e-4, same tokens
+LOGITS_ATOL = 1e-2  # logits from the golden final stream
+
+
+class GoldenSet:
+    """One golden directory: config, inputs, expected arrays (bf16 keys decoded on access)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.name = self.path.name
+        for f in ("expected.npz", "config.json", "inputs.json"):
+            if not (self.path / f).exists():
+                raise FileNotFoundError(f"golden set {self.path}: missing {f}")
+        self._npz = np.load(self.path / "expected.npz")
+        self.inputs = json.loads((self.path / "inputs.json").read_text())
+
+    def keys(self) -> list[str]:
+        return list(self._npz.keys())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._npz or key + ".bf16" in self._npz
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        """Array by key; the `.bf16` suffix may be omitted (uint16 bits become bfloat16)."""
+        if key not in self._npz:
+            key = key + ".bf16"
+        arr = self._npz[key]
+        return arr.view(ml_dtypes.bfloat16) if key.endswith(".bf16") else arr
+
+    @property
+    def args(self) -> ModelArgs:
+        rt = self.inputs.get("runtime", {})
+        return ModelArgs.from_json(self.path / "config.json", max_batch_size=rt.get("max_batch_size", 4),
+                                   max_seq_len=rt.get("max_seq_len", 4096))
+
+    def token_types(self) -> np.ndarray | None:
+        tt = self.inputs.get("token_types")
+        return None if tt is None else np.asarray(tt, np.int32)
+
+
+def load_model(gs: GoldenSet) -> Transformer:
+    """The text model with the set's weights and Engram token map (strict: every text tensor used)."""
+    model = Transformer(gs.args)
+    load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
+    if model.token_map is not None:
+        model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
+    return model
+
+
+@nnx.jit
+def _run_block(block, x, pre_mix, shared, image_mask):
+    return block(x, pre_mix, shared, image_mask)
+
+
+@nnx.jit
+def _run_engram(engram, x, hashes, mask):
+    return engram(x, hashes, mask)
+
+
+@nnx.jit
+def _logits(model, x, pre_mix):
+    return model.logits(x, pre_mix)
+
+
+@nnx.jit
+def _hashes(model, ids, mask):
+    from dsv41_jax.engram import engram_hash
+
+    history = jnp.zeros((ids.shape[0], model.args.max_seq_len), jnp.int32)
+    return engram_hash(ids, 0, history, mask, model.engram_layout, model.token_map[...])[0]
+
+
+def teacher_forced_prefill(model: Transformer, gs: GoldenSet, n_layers: int | None = None) -> dict[str, np.ndarray]:
+    """Runs every block (or the first `n_layers`) on its golden input; returns the port's arrays
+    keyed like expected.npz (without the `.bf16` suffix; values in their natural dtype)."""
+    a = model.args
+    ids = jnp.asarray(gs["inputs.prompt"], jnp.int32)
+    b, s = ids.shape
+    tt = gs.token_types()
+    image_mask = None if tt is None else jnp.asarray(tt >= 0)
+    engram_mask = None if image_mask is None else ~image_mask
+    out: dict[str, np.ndarray] = {}
+    # h0: the embedding lookup; image-span rows carry vision features, taken from the golden set
+    h0 = model.embed(ids)
+    if image_mask is not None:
+        h0 = jnp.where(image_mask[..., None], jnp.asarray(gs["prefill.h0"], jnp.bfloat16), h0)
+    out["prefill.h0"] = np.asarray(h0)
+    hashes = None
+    if a.engram_layer_ids:
+        hashes = _hashes(model, ids, engram_mask)
+        out["prefill.engram_hashes"] = np.asarray(hashes).astype(np.int64)
+    shared: dict = {}
+    for i, layer in enumerate(model.layers):
+        if n_layers is not None and i >= n_layers:
+            return out
+        if i == 0:
+            g0 = jnp.asarray(gs["prefill.h0"], jnp.bfloat16)
+            x = jnp.broadcast_to(g0[:, :, None, :], (b, s, a.hc_mult, a.dim))
+            pre = identity_pre_mix(b, s, a.hc_mult)
+        else:
+            x = jnp.asarray(gs[f"prefill.block_out.L{i - 1:02d}"], jnp.bfloat16)
+            pre = jnp.asarray(gs[f"prefill.block_premix.L{i - 1:02d}"])
+        tag = f"L{i:02d}"
+        if layer.engram is not None:
+            col = a.engram_table_index(i)
+            golden_hashes = jnp.asarray(gs["prefill.engram_hashes"][:, :, col, :], jnp.int32)
+            out[f"prefill.engram_out.{tag}"] = np.asarray(_run_engram(layer.engram, x, golden_hashes, engram_mask))
+            x = jnp.asarray(gs[f"prefill.engram_out.{tag}"], jnp.bfloat16)
+        x_out, pre_out, shared, aux = _run_block(layer, x, pre, shared, image_mask)
+        out[f"prefill.block_out.{tag}"] = np.asarray(x_out)
+        out[f"prefill.block_premix.{tag}"] = np.asarray(pre_out)
+        for k, v in aux.items():
+            out[f"prefill.{_AUX_NAMES.get(k, k)}.{tag}"] = np.asarray(v)
+        if a.is_index_source(i):
+            out[f"prefill.index_k_owner.{tag}"] = np.asarray(a.kv_source_of(i), np.int64)
+    last = a.n_layers - 1
+    logits = _logits(model, jnp.asarray(gs[f"prefill.block_out.L{last:02d}"], jnp.bfloat16),
+                     jnp.asarray(gs[f"prefill.block_premix.L{last:02d}"]))
+    out["prefill.logits"] = np.asarray(logits)
+    out["prefill.next_token"] = np.asarray(logits).argmax(-1).astype(np.int64)
+    return out
+
+
+_AUX_NAMES = {"kv_state": "compressor_kv_state", "score_state": "compressor_score_state"}
+
+
+# ------------------------------------------------------------------------------------ compare
+
+
+def _bf16_stream(p, g):
+    p, g = p.astype(np.float64), g.astype(np.float64)
+    finite = np.isfinite(g)
+    if not np.array_equal(finite, np.isfinite(p)) or not np.array_equal(p[~finite], g[~finite]):
+        return False, np.inf, np.inf
+    p, g = p[finite], g[finite]
+    if g.size == 0:
+        return True, 0.0, 0.0
+    rms = float(np.sqrt(np.mean(g**2)))
+    d = np.abs(p - g)
+    ok = bool(np.all(d <= BF16_REL * np.abs(g) + BF16_REL * rms))
+    return ok, float(d.max()), float(d.max() / rms) if rms else float(d.max())
+
+
+def _routing(p_idx, g_idx):
+    ok = np.array_equal(np.sort(p_idx, -1), np.sort(g_idx, -1))
+    return ok, float(np.sum(np.any(np.sort(p_idx, -1) != np.sort(g_idx, -1), -1))), 0.0
+
+
+def compare_array(key: str, port: np.ndarray, gold: np.ndarray, port_all: dict, gold_all) -> tuple[bool, float, float]:
+    """(ok, max abs err, worst err / RMS(gold)) for one array, by its kind (SPEC §20)."""
+    if port.shape != gold.shape:
+        return False, np.inf, np.inf
+    kind = key.split(".")[1]
+    if kind in ("topk", "candidates", "engram_hashes", "next_token", "index_k_owner"):
+        ok = np.array_equal(port, gold)
+        return ok, float(np.sum(port != gold)), 0.0
+    if kind == "route_idx":
+        return _routing(port, gold)
+    if kind == "route_w":
+        idx_key = key.replace("route_w", "route_idx")
+        po = np.take_along_axis(port, np.argsort(port_all[idx_key], -1), -1)
+        go = np.take_along_axis(gold, np.argsort(gold_all[idx_key], -1), -1)
+        d = float(np.abs(po - go).max())
+        return d <= ROUTE_W_ATOL, d, d / float(np.sqrt(np.mean(go.astype(np.float64) ** 2)))
+    if kind in ("compressor_kv_state", "compressor_score_state"):
+        ok = np.array_equal(np.isfinite(port), np.isfinite(gold))
+        fin = np.isfinite(gold)
+        d = float(np.abs(port[fin] - gold[fin]).max()) if fin.any() else 0.0
+        return ok and d <= BF16_REL * max(1e-30, float(np.abs(gold[fin]).max()) if fin.any() else 1.0), d, 0.0
+    if kind == "block_premix":
+        d = float(np.abs(port - gold).max())
+        return d <= PREMIX_ATOL, d, d
+    if kind == "logits":
+        d = float(np.abs(port - gold).max())
+        return d <= LOGITS_ATOL, d, d / float(np.sqrt(np.mean(gold.astype(np.float64) ** 2)))
+    return _bf16_stream(port, gold)
+
+
+def compare(port: dict[str, np.ndarray], gs: GoldenSet) -> list[tuple[str, bool, float, float]]:
+    """One row per port array that the golden set also holds: (key, ok, max abs err, err/RMS)."""
+    gold_all = {k: gs[k] for k in port if k in gs}
+    rows = []
+    for key in sorted(port):
+        if key in gold_all:
+            ok, dmax, rel = compare_array(key, np.asarray(port[key]), np.asarray(gold_all[key]), port, gold_all)
+            rows.append((key, ok, dmax, rel))
+    return rows
+
+
+def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
+    """Port arrays under the golden keys and encodings (bf16 as uint16 bits under `.bf16`)."""
+    golden_keys = set(gs.keys())
+    out = {}
+    for k, v in port.items():
+        v = np.asarray(v)
+        if k + ".bf16" in golden_keys or v.dtype == ml_dtypes.bfloat16:
+            out[k + ".bf16"] = v.astype(ml_dtypes.bfloat16).view(np.uint16)
+        else:
+            gk = gs[k] if k in golden_keys else None
+            out[k] = v.astype(gk.dtype) if gk is not None else v
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv41_jax.parity", description=__doc__.split("\n\n")[0])
+    p.add_argument("golden_dir", help="golden set directory (checkpoint + config.json + inputs.json + expected.npz)")
+    p.add_argument("--out", help="write the port's arrays here (.npz, golden key names and encodings)")
+    ns = p.parse_args(argv)
+    try:
+        gs = GoldenSet(ns.golden_dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model = load_model(gs)
+    port = teacher_forced_prefill(model, gs)
+    rows = compare(port, gs)
+    if ns.out:
+        np.savez(ns.out, **encode(port, gs))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'array':<{width}}  {'max abs err':>12}  {'err/RMS':>10}  ok")
+    for key, ok, dmax, rel in rows:
+        print(f"{key:<{width}}  {dmax:12.4g}  {rel:10.3g}  {'ok' if ok else 'FAIL'}")
+    failed = [r[0] for r in rows if not r[1]]
+    missing = sorted(k for k in gs.keys() if re.match(r"prefill\.", k) and k.removesuffix(".bf16") not in port)
+    print(f"{len(rows) - len(failed)}/{len(rows)} arrays ok" + (f"; not computed: {missing}" if missing else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
