@@ -19,7 +19,6 @@ import pytest
 from flax import nnx
 
 from dsv41_jax import parity
-from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.moe import swiglu as _swiglu
 from dsv41_jax.parity import GoldenSet, load_model
 
