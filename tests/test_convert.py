@@ -1,0 +1,318 @@
+"""dsv41-convert: coverage and inventory errors, keep-mode bit identity, atomic output and
+--resume, the bf16 debug mode, and convert -> load round trips against direct loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from convert import ConversionError, convert_checkpoint, main
+from dsv41_jax import quant
+from dsv41_jax.checkpoint import INDEX_FILE, HubCheckpoint, hub_tensor_inventory
+from dsv41_jax.checkpoint_io import ConvertedCheckpointError, load_converted, read_manifest
+from dsv41_jax.config import ModelArgs
+from dsv41_jax.loading import load_hub_weights, module_param_paths
+from dsv41_jax.model import Transformer
+from dsv41_jax.parity import GoldenSet, load_model
+from dsv41_jax.synthetic import write_synthetic_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "data" / "golden"
+QUANTISED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu), np.dtype(np.int8))
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {p: np.asarray(v[...]) for p, v in module_param_paths(model).items()}
+
+
+def _assert_params_bit_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for p, w in want.items():
+        assert got[p].dtype == w.dtype and got[p].shape == w.shape, p
+        assert np.array_equal(_bits(got[p]), _bits(w)), f"{p} differs"
+
+
+@pytest.fixture(scope="module")
+def tiny_args() -> ModelArgs:
+    return ModelArgs.tiny()
+
+
+@pytest.fixture(scope="module")
+def tiny_hub(tmp_path_factory, tiny_args) -> Path:
+    d = tmp_path_factory.mktemp("hub") / "tiny"
+    write_synthetic_checkpoint(d, tiny_args, shard_bytes=200_000, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_converted(tmp_path_factory, tiny_hub) -> Path:
+    out = tmp_path_factory.mktemp("out") / "tiny"
+    convert_checkpoint(tiny_hub, out, progress=False)
+    return out
+
+
+def _direct(hub: Path, args: ModelArgs) -> dict[str, np.ndarray]:
+    model = Transformer(args)
+    load_hub_weights(model, hub)
+    return _params(model)
+
+
+def _tampered_hub(tmp_path: Path, args: ModelArgs, edit) -> Path:
+    inv = dict(hub_tensor_inventory(args))
+    edit(inv)
+    d = tmp_path / "hub"
+    write_synthetic_checkpoint(d, args, shard_bytes=200_000, inventory=inv)
+    return d
+
+
+# --------------------------------------------------------------------------------- coverage
+
+
+def test_missing_unknown_and_duplicated_names_are_all_listed_and_nothing_is_written(tmp_path, tiny_args):
+    def edit(inv):
+        del inv["layers.3.attn.wkv.scale"]
+        inv["layers.3.attn.wkv.bias"] = ("BF16", (64,))
+
+    hub = _tampered_hub(tmp_path, tiny_args, edit)
+    index = json.loads((hub / INDEX_FILE).read_text())
+    # a name listed twice in the index JSON (json.load alone would keep only the last)
+    entries = [f'"{k}": "{v}"' for k, v in index["weight_map"].items()]
+    entries.append(f'"layers.0.attn_norm.weight": "{index["weight_map"]["layers.0.attn_norm.weight"]}"')
+    (hub / INDEX_FILE).write_text('{"weight_map": {' + ", ".join(entries) + "}}")
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError) as e:
+        convert_checkpoint(hub, out, progress=False)
+    msg = str(e.value)
+    assert "1 duplicated:\n    layers.0.attn_norm.weight (listed 2 times" in msg
+    assert "1 missing (expected by the config, not in the index):\n    layers.3.attn.wkv.scale" in msg
+    assert "1 unexpected (in the index, not expected by the config):\n    layers.3.attn.wkv.bias" in msg
+    assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def test_dtype_and_shape_mismatches_name_the_tensor_expected_and_found(tmp_path, tiny_args):
+    def edit(inv):
+        inv["layers.2.attn.q_norm.weight"] = ("F32", inv["layers.2.attn.q_norm.weight"][1])
+        inv["layers.4.ffn.experts.5.w2.weight"] = ("I8", (64, 64))
+
+    hub = _tampered_hub(tmp_path, tiny_args, edit)
+    with pytest.raises(ConversionError) as e:
+        convert_checkpoint(hub, tmp_path / "out", progress=False)
+    msg = str(e.value)
+    assert "2 dtype/shape mismatches" in msg
+    assert "layers.2.attn.q_norm.weight: expected BF16 [64], found F32 [64]" in msg
+    assert "layers.4.ffn.experts.5.w2.weight: expected I8 [64, 32], found I8 [64, 64]" in msg
+
+
+def test_engram_config_without_a_token_map_is_refused_naming_the_file(tmp_path, tiny_hub):
+    hub = tmp_path / "hub"
+    shutil.copytree(tiny_hub, hub)
+    (hub / "engram_map.npy").unlink()
+    with pytest.raises(ConversionError, match=r"Engram layers \[1\].*engram_map\.npy does not exist.*--engram-map"):
+        convert_checkpoint(hub, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_cli_reports_a_bad_mesh_with_exit_code_2(tmp_path, tiny_hub, capsys):
+    rc = main(["--hf-ckpt", str(tiny_hub), "--out", str(tmp_path / "o"), "--mesh", "expert=8,rows=2", "--no-progress"])
+    assert rc == 2
+    assert "unknown axis 'rows'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ keep mode
+
+
+def test_keep_mode_writes_every_quantised_value_and_scale_bit_identical(tiny_converted, tiny_hub):
+    model, _ = load_converted(tiny_converted)
+    hub = HubCheckpoint(tiny_hub)
+    params = _params(model)
+    n_quantised = 0
+    for path, value in params.items():
+        if value.dtype not in QUANTISED:
+            continue
+        n_quantised += 1
+        if ".ffn.experts.w" in path:
+            head, w, kind = path.rsplit(".", 2)
+            want = np.stack([hub.get(f"{head}.{e}.{w}.{kind}") for e in range(value.shape[0])])
+        else:
+            want = hub.get(path)
+        assert want.dtype == value.dtype and np.array_equal(_bits(want), _bits(value)), path
+    assert n_quantised > 100
+    # the non-quantised conversions: exact bf16 -> f32 widening, fp8 wo_a dequantised to bf16
+    np.testing.assert_array_equal(params["head.weight"], np.asarray(hub.get("head.weight"), np.float32))
+    wo_a = quant.dequant_fp8_weight(jnp.asarray(hub.get("layers.2.attn.wo_a.weight")),
+                                    jnp.asarray(hub.get("layers.2.attn.wo_a.scale")), jnp.bfloat16)
+    assert np.array_equal(_bits(params["layers.2.attn.wo_a.weight"]), _bits(wo_a))
+
+
+def test_manifest_records_every_param_with_its_dtype_shape_and_spec(tiny_converted, tiny_args):
+    manifest = read_manifest(tiny_converted)
+    params = {p: rec for g in manifest["groups"] for p, rec in g["params"].items()}
+    assert params.keys() == module_param_paths(nnx.eval_shape(lambda: Transformer(tiny_args))).keys()
+    assert params["layers.3.ffn.experts.w1.weight"] == {"dtype": "int8", "shape": [8, 64, 32],
+                                                        "spec": ["expert", None, None], "how": "copy", "sources": 8}
+    kinds = {g["name"]: g["kind"] for g in manifest["groups"]}
+    assert kinds["layers.1.engram.embed"] == "table" and kinds["layers.1"] == "orbax"
+
+
+# ------------------------------------------------------------------------ atomicity, resume
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def _crash_after(n: int):
+    done = []
+
+    def hook(group):
+        done.append(group.name)
+        if len(done) == n:
+            raise _Crash(f"simulated crash after {group.name}")
+
+    return hook
+
+
+def test_a_crash_mid_run_leaves_nothing_that_loads_and_resume_finishes_it(tmp_path, tiny_hub, tiny_args):
+    out = tmp_path / "out"
+    partial = tmp_path / "out.partial"
+    with pytest.raises(_Crash):
+        convert_checkpoint(tiny_hub, out, progress=False, on_group_done=_crash_after(6))
+    assert not out.exists() and partial.is_dir()
+    for d in (out, partial):
+        with pytest.raises(ConvertedCheckpointError):
+            load_converted(d)
+    with pytest.raises(ConversionError, match="pass --resume"):
+        convert_checkpoint(tiny_hub, out, progress=False)
+    # one finished group loses its data: resume must notice and rewrite it, not skip it
+    first = json.loads((partial / "run.json").read_text())
+    assert first["dtype_mode"] == "keep"
+    shutil.rmtree(partial / "state" / "layers.0")
+    # and an Orbax save cut off mid-group leaves its temporary directory behind
+    (partial / "state" / "layers.3.orbax-checkpoint-tmp-1234").mkdir()
+    summary = convert_checkpoint(tiny_hub, out, progress=False, resume=True)
+    assert summary["groups_skipped"] == 5
+    assert summary["groups_written"] == summary["plan"]["groups"] - 5
+    assert not partial.exists() and not list((out / "state").glob("*tmp*"))
+    model, _ = load_converted(out)
+    _assert_params_bit_equal(_params(model), _direct(tiny_hub, tiny_args))
+
+
+def test_resume_refuses_a_run_with_different_options(tmp_path, tiny_hub):
+    out = tmp_path / "out"
+    with pytest.raises(_Crash):
+        convert_checkpoint(tiny_hub, out, progress=False, on_group_done=_crash_after(2))
+    with pytest.raises(ConversionError, match=r"differs from this one in \['dtype_mode'\]"):
+        convert_checkpoint(tiny_hub, out, progress=False, resume=True, dtype="bf16")
+
+
+def test_an_existing_output_is_never_overwritten(tiny_converted, tiny_hub):
+    with pytest.raises(ConversionError, match="already exists"):
+        convert_checkpoint(tiny_hub, tiny_converted, progress=False)
+
+
+# ------------------------------------------------------------------------------ bf16 mode
+
+
+def test_bf16_mode_loads_as_the_bf16_model_with_dequantised_weights(tmp_path, tiny_hub):
+    out = tmp_path / "bf16"
+    convert_checkpoint(tiny_hub, out, dtype="bf16", progress=False)
+    model, args = load_converted(out)
+    assert (args.dtype, args.expert_dtype) == ("bf16", None)
+    hub = HubCheckpoint(tiny_hub)
+    params = _params(model)
+    assert "layers.2.attn.wq_a.scale" not in params and "layers.2.ffn.experts.w1.scale" not in params
+    wq_a = quant.dequant_fp8_weight(jnp.asarray(hub.get("layers.2.attn.wq_a.weight")),
+                                    jnp.asarray(hub.get("layers.2.attn.wq_a.scale")), jnp.bfloat16)
+    assert np.array_equal(_bits(params["layers.2.attn.wq_a.weight"]), _bits(wq_a))
+    e5 = quant.dequant_fp4_weight(jnp.asarray(hub.get("layers.2.ffn.experts.5.w1.weight")),
+                                  jnp.asarray(hub.get("layers.2.ffn.experts.5.w1.scale")), jnp.bfloat16)
+    assert np.array_equal(_bits(params["layers.2.ffn.experts.w1.weight"][5]), _bits(e5))
+    # the Engram table is fp8 in the bf16 model too, so it is still copied bit for bit
+    assert np.array_equal(_bits(params["layers.1.engram.embed.weight"]), _bits(hub.get("layers.1.engram.embed.weight")))
+
+
+# ----------------------------------------------------------------------- golden round trip
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    return nnx.jit(lambda model, ids: model(ids))
+
+
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-c"])
+def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logits(tmp_path, name, prefill):
+    gs = GoldenSet(GOLDEN / name)
+    out = tmp_path / name
+    summary = convert_checkpoint(gs.path, out, progress=False)
+    rt = gs.inputs.get("runtime", {})
+    converted, args = load_converted(out, max_batch_size=rt.get("max_batch_size", 4),
+                                     max_seq_len=rt.get("max_seq_len", 4096))
+    assert args == gs.args
+    direct = load_model(gs)
+    _assert_params_bit_equal(_params(converted), _params(direct))
+    assert np.array_equal(np.asarray(converted.token_map[...]), np.load(gs.path / "engram_map.npy"))
+    # everything the text model does not hold is dropped with a reason (tiny-c has vision + DSpark)
+    dropped = read_manifest(out)["dropped"]
+    assert summary["plan"]["dropped"] == len(dropped)
+    assert all(n.startswith(("vision.", "aligner.", "image_", "mtp.")) for n in dropped)
+    assert (len(dropped) > 0) == (name == "tiny-c")
+    # one executable for both (same shardings), so any difference would come from the weights
+    graph, state = nnx.split(direct)
+    direct = nnx.merge(graph, jax.device_put(state, jax.tree.map(lambda a: a.sharding, nnx.state(converted))))
+    ids = jnp.asarray(gs["inputs.prompt"], jnp.int32)
+    want, got = np.asarray(prefill(direct, ids)), np.asarray(prefill(converted, ids))
+    assert np.isfinite(want).all()
+    assert np.array_equal(got, want)
+
+
+_SHARDED_CHILD = """
+import json, sys
+import numpy as np
+from convert import convert_checkpoint
+from dsv41_jax import sharding as shd
+from dsv41_jax.checkpoint_io import load_converted
+from dsv41_jax.loading import module_param_paths
+from dsv41_jax.parity import GoldenSet, load_model
+gs = GoldenSet(sys.argv[1])
+convert_checkpoint(gs.path, sys.argv[2], mesh="expert=4,data=2", progress=False)
+args = gs.args
+mesh = shd.make_mesh("expert=4,data=2", args=args)
+model, _ = load_converted(sys.argv[2], mesh, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+got = module_param_paths(model)
+want = module_param_paths(load_model(gs))
+specs = shd.param_partition_specs(args, mesh)
+bits = lambda a: np.asarray(a).view(np.uint8)
+report = {
+    "unequal": [p for p in want if not np.array_equal(bits(got[p][...]), bits(want[p][...]))],
+    "misplaced": [p for p in got if got[p][...].sharding.spec != specs[p] and
+                  not (all(e is None for e in specs[p]) and got[p][...].sharding.is_fully_replicated)],
+    "shard_rows": got["layers.3.ffn.experts.w1.weight"][...].addressable_shards[0].data.shape[0],
+    "n_devices": len(got["layers.3.ffn.experts.w1.weight"][...].sharding.device_set),
+}
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_conversion_on_an_eight_device_mesh_restores_each_param_into_its_rule_sharding(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD, str(GOLDEN / "tiny-a"), str(tmp_path / "out")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[7:])
+    assert report == {"unequal": [], "misplaced": [], "shard_rows": 2, "n_devices": 8}
