@@ -53,10 +53,25 @@ def find_token_map(hf_ckpt: Path, args: ModelArgs, engram_map: str | os.PathLike
                 return prepare_token_map(np.load(path), args, source=str(path))
             except ValueError as e:
                 raise ConversionError(str(e)) from None
+    if engram_map is None:
+        for tok_path in (hf_ckpt / "tokenizer.json", hf_ckpt / "inference" / "tokenizer.json"):
+            if tok_path.is_file():
+                from dsv41_jax.token_map import build_compressed_token_map
+
+                lookup, n_ids = build_compressed_token_map(tok_path)
+                if n_ids != args.engram_compressed_vocab_size:
+                    raise ConversionError(
+                        f"{tok_path}: the compressed token map has {n_ids} ids but the config's "
+                        f"engram_compressed_vocab_size is {args.engram_compressed_vocab_size} (SPEC §9.1)")
+                try:
+                    return prepare_token_map(lookup, args, source=str(tok_path))
+                except ValueError as e:
+                    raise ConversionError(str(e)) from None
     raise ConversionError(
         f"the config has Engram layers {list(args.engram_layer_ids)}, which need the compressed token map, but "
-        f"{' / '.join(str(c) for c in candidates)} does not exist; pass --engram-map FILE (an int array "
-        f"[n_tokens] with {args.engram_compressed_vocab_size} distinct ids, SPEC §9.1)"
+        f"{' / '.join(str(c) for c in candidates)} does not exist and there is no tokenizer.json to build it from; "
+        f"pass --engram-map FILE (an int array [n_tokens] with {args.engram_compressed_vocab_size} distinct ids, "
+        "SPEC §9.1)"
     )
 
 
