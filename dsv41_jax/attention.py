@@ -10,8 +10,14 @@ plain dict `shared` (missing key = not published yet):
   "topk"        int32 [b, S, k]      compressed indices of the latest index source, offset included
   "candidates"  bool [b, S, S//r]    candidate mask of the candidate source
 
-Only prefill (start_pos == 0, positions 0..S-1) is implemented as a whole; the stages are separate
-functions so a decode step with caches can reuse them.
+A decode step (one token per row, per-row positions `pos` [b]) reads and writes the layer's
+cache (`dsv41_jax.cache`) and publishes the same keys, with the caches' static widths
+(N = max_seq_len // r rows, rows >= (pos + 1) // r not yet visible) plus
+  "index_k_owner" int32 [b]         which layer's index keys "index_k" holds, per row.
+
+The reference's decode has an index-key hand-off inconsistency (SPEC §21): a ratio-r owner whose
+group is still open publishes no index keys, so its indexer scores against whatever the last
+publisher left. `reference_compat` reproduces that; by default every owner scores its own keys.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.numerics import round_bf16, to_bf16
 from dsv41_jax import quant
+from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, write_row
 from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_rope, rope_angles, rope_freqs
+from dsv41_jax.numerics import round_bf16, to_bf16
 from pallas_kernels.sparse_attention.reference import sparse_attn
 
 _F32 = jnp.float32
@@ -37,7 +44,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # ------------------------------------------------------------------------------------ helpers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_freqs(rd: int, original_seq_len: int, base: float, factor: float, beta_fast: int, beta_slow: int):
     return rope_freqs(rd, original_seq_len, base, factor, beta_fast, beta_slow)
 
@@ -95,10 +102,8 @@ def window_topk_idxs(window: int, seqlen: int, start_pos) -> jax.Array:
 def window_ring(kv: jax.Array, window: int) -> jax.Array:
     """The window cache after a prefill: kv [b, S, hd] -> [b, window, hd] with position p in slot
     p % window for the last min(S, window) positions, zeros in the never-written slots."""
-    b, s, d = kv.shape
-    n = min(s, window)
-    pos = np.arange(s - n, s)
-    return jnp.zeros((b, window, d), kv.dtype).at[:, pos % window].set(kv[:, s - n:])
+    b, s, _ = kv.shape
+    return seed_window(kv, jnp.full((b,), s, jnp.int32), window)
 
 
 # ----------------------------------------------------------------------------- candidate blocks
@@ -148,11 +153,13 @@ class Compressor(nnx.Module):
         if self.ratio > 1:
             self.wgate = Linear(args.dim, args.head_dim, "fp32")
 
-    def __call__(self, x: jax.Array):
-        """Prefill. x bf16 [b, S, dim] -> (latent bf16 [b, S//r, hd], kv_state, score_state).
+    def __call__(self, x: jax.Array, lengths: jax.Array | None = None):
+        """Prefill. x bf16 [b, S, dim], lengths int [b] (real tokens per row; None: all S) ->
+        (latent bf16 [b, S//r, hd], kv_state, score_state).
 
-        States are f32 [b, r, hd] (None for ratio 1): zeros / -inf, with the trailing S % r tokens
-        that form no complete group parked in slots 0..S%r-1 for the decode steps to finish.
+        States are f32 [b, r, hd] (None for ratio 1): zeros / -inf, with the trailing L % r tokens
+        of each row that form no complete group parked in slots 0..L%r-1 for the decode steps to
+        finish. Latents of groups reaching past a row's length are computed from padding.
         """
         if self.ratio == 1:
             return self.norm(self.wkv(x)), None, None
@@ -160,12 +167,31 @@ class Compressor(nnx.Module):
         r, n, hd = self.ratio, s // self.ratio, self.head_dim
         xf = round_bf16(x)  # x is bf16: the exact values, even if an upstream rounding was fused away
         kv, score = self.wkv(xf), self.wgate(xf)  # f32 [b, S, hd]
+        lens = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
+        kv_state, score_state = seed_group_state(kv, lens, r, 0.0), seed_group_state(score, lens, r, -jnp.inf)
         cut = n * r
-        kv_state = jnp.zeros((b, r, hd), _F32).at[:, : s - cut].set(kv[:, cut:])
-        score_state = jnp.full((b, r, hd), -jnp.inf, _F32).at[:, : s - cut].set(score[:, cut:])
         pooled = pool_groups(kv[:, :cut].reshape(b, n, r, hd), score[:, :cut].reshape(b, n, r, hd))
         # the reference casts the f32 pool to bf16 BEFORE the norm
         return self.norm(to_bf16(pooled)), kv_state, score_state
+
+    def decode(self, x: jax.Array, kv_state: jax.Array | None, score_state: jax.Array | None, pos: jax.Array):
+        """One token per row. x bf16 [b, 1, dim], states f32 [b, r, hd] (None for ratio 1), pos
+        int32 [b] -> (latent bf16 [b, 1, hd], (kv_state, score_state) or None, closes bool [b] or
+        None).
+
+        Ratio 1: every token is a group (closes None = always). Ratio r: the token goes into state
+        slot pos % r; the latent pools the r slots and is meaningful only where the token closes
+        its group, (pos + 1) % r == 0. It is computed for every row (static shapes); the caller
+        writes it only where `closes` holds.
+        """
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), None, None
+        xf = round_bf16(x)
+        kv, score = self.wkv(xf)[:, 0], self.wgate(xf)[:, 0]  # f32 [b, hd]
+        slot = pos % self.ratio
+        kv_state, score_state = write_row(kv_state, slot, kv), write_row(score_state, slot, score)
+        latent = self.norm(to_bf16(pool_groups(kv_state, score_state)))[:, None]
+        return latent, (kv_state, score_state), (pos + 1) % self.ratio == 0
 
 
 @jax.jit
@@ -264,8 +290,42 @@ class Indexer(nnx.Module):
         if width != s // self.ratio:
             raise ValueError(f"index_k has {width} rows, expected S//ratio = {s // self.ratio}")
         scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
-        lens = causal_compress_lens(s, self.ratio)
-        scores = jnp.where(jnp.arange(width) >= lens, jnp.asarray(-jnp.inf, scores.dtype), scores)
+        return self._select(scores, causal_compress_lens(s, self.ratio), offset, candidates)
+
+    def decode(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
+               pos: jax.Array, offset: int, candidates: jax.Array | None = None) -> dict:
+        """Scores and top-k for one token per row. x [b, 1, dim], qr [b, 1, q_lora_rank], index_k
+        bf16 [b, N, ihd] (a whole cache: N = max_seq_len // r), cos/sin at `pos` int32 [b],
+        offset = window length (the ring comes first in the KV concat), candidates bool [b, 1, N].
+
+        Row b sees the first (pos[b] + 1) // r compressed positions; the other columns are -inf.
+        Returns the keys of `prefill` with width N (candidates False beyond the visible columns).
+
+        k = min(index_topk, N) is static, the reference's k' = min(index_topk, n) with n the
+        visible width. Both take the top entries in the order (score descending, column
+        ascending), where every visible column (a candidate-masked one scores -inf but stays
+        visible) precedes every hidden one (-inf, larger column). So the reference's k' picks are
+        exactly our first k' picks; when k > k' (n < index_topk) the reference takes all n
+        visible columns and our extra picks are hidden columns, which `select_topk` turns into -1.
+        Sorted ascending, a row is the reference's row followed by -1s. Likewise for the
+        candidate blocks: blocks past the visible width score -inf and are never kept, and the
+        visible ones are ranked in the same order, so the kept blocks are the reference's.
+        """
+        scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
+        lens = ((pos + 1) // self.ratio).astype(jnp.int32)[:, None, None]  # [b, 1, 1]
+        out = self._select(scores, lens, offset, candidates)
+        if "candidates" in out:
+            # the reference's mask is only n columns wide; the pinned last block may reach past n
+            out["candidates"] = out["candidates"] & (jnp.arange(index_k.shape[1]) < lens)
+        return out
+
+    def _select(self, scores: jax.Array, lens: jax.Array, offset: int, candidates: jax.Array | None) -> dict:
+        """Causal mask (columns >= lens -> -inf), candidate blocks (source) or the candidate mask
+        (layers above it), then the ascending top-k. scores bf16 [b, s, W]; lens int broadcasting
+        against scores[..., :1]."""
+        width = scores.shape[-1]
+        neg_inf = jnp.asarray(-jnp.inf, scores.dtype)
+        scores = jnp.where(jnp.arange(width) >= lens, neg_inf, scores)
         out = {}
         if self.is_candidate_source:
             out["candidates"], out["cand_block_score"] = select_candidate_blocks(
@@ -273,7 +333,7 @@ class Indexer(nnx.Module):
         elif self.uses_candidates:
             if candidates is None:
                 raise ValueError(f"layer {self.layer_id} masks to the candidate blocks, but none were given")
-            scores = jnp.where(candidates, scores, jnp.asarray(-jnp.inf, scores.dtype))
+            scores = jnp.where(candidates, scores, neg_inf)
         out["index_score"] = scores
         out["topk"] = select_topk(scores, lens, min(self.index_topk, width), offset)
         return out
@@ -329,6 +389,10 @@ class Attention(nnx.Module):
         """cos, sin f32 [1, len, rd/2] of this layer's table at `positions` int [len]."""
         return _rope_at(np.asarray(self.freqs, np.float32), positions)
 
+    def rope_rows(self, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos, sin f32 [b, 1, rd/2] at one position per batch row, pos int [b]."""
+        return rope_angles(np.asarray(self.freqs, np.float32), jnp.asarray(pos)[:, None])
+
     def query(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qr bf16 [b, s, q_lora_rank])."""
         b, s, _ = x.shape
@@ -359,14 +423,14 @@ class Attention(nnx.Module):
         return self.wo_b(y.reshape(b, s, self.n_groups * self.o_lora_rank))
 
     def compressed_prefill(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array,
-                           shared: dict, aux: dict) -> tuple[jax.Array, jax.Array]:
+                           shared: dict, aux: dict, lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The compressed branch of a prefill (SPEC §5.5-5.9). Updates `shared` / `aux` in place.
         Returns (compressed KV bf16 [b, S//r, hd], indices int32 [b, S, k], offset by S)."""
         b, s, _ = x.shape
         r = self.ratio
         n = s // r
         if self.role == "source":
-            latent, kv_state, score_state = self.compressor(x)
+            latent, kv_state, score_state = self.compressor(x, lengths)
             if kv_state is not None:
                 aux["kv_state"], aux["score_state"] = kv_state, score_state
             gcos, gsin = self.rope(jnp.arange(n) * r)  # a latent sits at its group's first token
@@ -391,14 +455,16 @@ class Attention(nnx.Module):
         topk = _require(shared, "topk", self.layer_id)
         return compress_kv, topk
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ prefill
 
-    def prefill_operands(self, x: jax.Array, shared: dict):
+    def prefill_operands(self, x: jax.Array, shared: dict, lengths: jax.Array | None = None):
         """Everything `sparse_attn` takes for a prefill of positions 0..S-1.
 
-        x bf16 [b, S, dim] -> (q bf16 [b, S, H, hd], kv bf16 [b, S + S//r, hd] (window KV then the
-        compressed KV), idx int32 [b, S, min(S, window) + k] (window slots then compressed rows,
-        already offset by S), shared (a new dict with this layer's publications), aux).
+        x bf16 [b, S, dim], lengths int [b] (real tokens per row, right padding; None: all S) ->
+        (q bf16 [b, S, H, hd], kv bf16 [b, S + S//r, hd] (window KV then the compressed KV), idx
+        int32 [b, S, min(S, window) + k] (window slots then compressed rows, already offset by S),
+        shared (a new dict with this layer's publications), aux). Padding only ever feeds later
+        positions (causality), so `lengths` changes just what is seeded for decode in aux.
         """
         b, s, _ = x.shape
         shared, aux = dict(shared), {}
@@ -407,23 +473,178 @@ class Attention(nnx.Module):
         cos, sin = self.rope(jnp.arange(s))
         q, qr = self.query(x, cos, sin)
         kv = self.window_kv(x, cos, sin)
-        aux["window_kv"] = window_ring(kv, self.window)
+        lens = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        aux["window_kv"] = seed_window(kv, lens, self.window)
         idx = jnp.broadcast_to(window_topk_idxs(self.window, s, 0)[None], (b, s, min(s, self.window)))
         if self.ratio:
-            compress_kv, topk = self.compressed_prefill(x, qr, cos, sin, shared, aux)
+            compress_kv, topk = self.compressed_prefill(x, qr, cos, sin, shared, aux, lengths)
             kv = jnp.concatenate([kv, compress_kv.astype(kv.dtype)], axis=1)
             idx = jnp.concatenate([idx, topk], axis=-1)
         return q, kv, idx, shared, aux
 
-    def __call__(self, x: jax.Array, shared: dict) -> tuple[jax.Array, dict, dict]:
-        """Prefill of positions 0..S-1. x bf16 [b, S, dim], shared (see module doc) ->
-        (out bf16 [b, S, dim], shared updated with what this layer publishes, aux).
+    def __call__(self, x: jax.Array, shared: dict, lengths: jax.Array | None = None) -> tuple[jax.Array, dict, dict]:
+        """Prefill of positions 0..S-1. x bf16 [b, S, dim], shared (see module doc), lengths int
+        [b] or None (see `prefill_operands`) -> (out bf16 [b, S, dim], shared updated with what
+        this layer publishes, aux).
 
         aux: "window_kv" bf16 [b, window, hd] (the ring after prefill) and, where the layer has
         them, "compress_kv", "index_k", "kv_state", "score_state", "topk", "index_score",
         "candidates", "cand_block_score" (shapes as in the golden sets).
         """
-        q, kv, idx, shared, aux = self.prefill_operands(x, shared)
+        q, kv, idx, shared, aux = self.prefill_operands(x, shared, lengths)
         o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale)
         cos, sin = self.rope(jnp.arange(x.shape[1]))
         return self.output(o, cos, sin), shared, aux
+
+    def prefill(self, x: jax.Array, shared: dict, cache: dict, lengths: jax.Array):
+        """A prefill that also seeds this layer's cache (`dsv41_jax.cache`) for decode.
+
+        x bf16 [b, S, dim], lengths int32 [b] (1 <= L <= S) -> (out, shared, cache, aux) with
+        out / shared / aux as `__call__`. Seeded: the ring from each row's last min(L, window)
+        positions, compressed KV / index-key rows [0, S//r) (rows >= L//r are padding until the
+        decode step that completes their group overwrites them), compressor states holding each
+        row's L % r open-group tokens.
+        """
+        out, shared, aux = self(x, shared, lengths)
+        cache = dict(cache)
+        cache["window_kv"] = aux["window_kv"].astype(cache["window_kv"].dtype)
+        if self.role == "source":
+            cache["compress_kv"] = seed_rows(cache["compress_kv"], aux["compress_kv"])
+            cache["index_k"] = seed_rows(cache["index_k"], aux["index_k"])
+            if "kv_state" in aux:
+                cache["kv_state"], cache["score_state"] = aux["kv_state"], aux["score_state"]
+        return out, shared, cache, aux
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, x: jax.Array, shared: dict, cache: dict, pos: jax.Array,
+               reference_compat: bool | jax.Array = False):
+        """One new token per row at its own position. x bf16 [b, 1, dim], pos int32 [b], cache =
+        this layer's entry of `dsv41_jax.cache` -> (out bf16 [b, 1, dim], shared, cache, aux).
+
+        The token's window KV goes into ring slot pos % window and the query attends over the
+        whole ring (slots holding positions > pos are -1), then over the selected compressed rows
+        (indices offset by the window length). `reference_compat` (Python bool, or a traced bool
+        scalar): see `publish_index_k`.
+        aux: "topk" int32 [b, 1, k], "index_score" bf16 [b, 1, N], "index_k_owner" int32 [b] on
+        index sources; "candidates" bool [b, 1, N], "cand_block_score" on the candidate source.
+        """
+        shared, cache, aux = dict(shared), dict(cache), {}
+        for key in self.reads:
+            _require(shared, key, self.layer_id)
+        pos = jnp.asarray(pos, jnp.int32)
+        cos, sin = self.rope_rows(pos)
+        q, qr = self.query(x, cos, sin)
+        cache["window_kv"] = ring = write_row(cache["window_kv"], pos % self.window, self.window_kv(x, cos, sin)[:, 0])
+        kv = ring
+        idx = jax.vmap(lambda p: window_topk_idxs(self.window, 1, p))(pos)  # [b, 1, window]
+        if self.ratio:
+            rows, topk = self.compressed_decode(x, qr, cos, sin, pos, shared, cache, aux, reference_compat)
+            # gather the chosen rows (ascending, -1 last) instead of concatenating the whole cache;
+            # sparse_attn sees the same vectors in the same order
+            k = topk.shape[-1]
+            chosen = jnp.take_along_axis(rows, jnp.maximum(topk[:, 0] - self.window, 0)[:, :, None], axis=1)
+            kv = jnp.concatenate([ring, chosen.astype(ring.dtype)], axis=1)
+            local = jnp.where(topk >= 0, self.window + jnp.arange(k, dtype=jnp.int32), -1)
+            idx = jnp.concatenate([idx, local], axis=-1)
+        o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale)
+        return self.output(o, cos, sin), shared, cache, aux
+
+    def compressed_decode(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
+                          shared: dict, cache: dict, aux: dict, reference_compat) -> tuple[jax.Array, jax.Array]:
+        """The compressed branch of a decode step. Updates shared / cache / aux in place. Returns
+        (compressed KV cache bf16 [b, N, hd] of the kv source, indices int32 [b, 1, k] offset by
+        the window length)."""
+        if self.role == "source":
+            self._compress_token(x, pos, shared, cache, reference_compat)
+        rows = _require(shared, "compress_kv", self.layer_id)
+        if self.is_index_source:
+            index_k, owner = read_index_k(shared, rows.shape[1], self.layer_id)
+            cand = _require(shared, "candidates", self.layer_id) if self.uses_candidates else None
+            res = self.indexer.decode(x, qr, index_k, cos, sin, pos, offset=self.window, candidates=cand)
+            aux.update(res)
+            aux["index_k_owner"] = owner
+            if self.is_candidate_source:
+                shared["candidates"] = res["candidates"]
+            shared["topk"] = res["topk"]
+        return rows, _require(shared, "topk", self.layer_id)
+
+    def _compress_token(self, x: jax.Array, pos: jax.Array, shared: dict, cache: dict, reference_compat) -> None:
+        """Source layers: feed the token to the compressor; where it closes a group, write the
+        latent (RoPE'd at the group start pos + 1 - r) to compressed-KV row pos // r and its index
+        key to the same index-key row; publish both caches."""
+        r = self.ratio
+        latent, states, closes = self.compressor.decode(x, cache.get("kv_state"), cache.get("score_state"), pos)
+        if states is not None:
+            cache["kv_state"], cache["score_state"] = states
+        gcos, gsin = self.rope_rows(pos + 1 - r)
+        row = pos // r
+        # index keys come from the latent BEFORE it is rotated and quantised for the cache
+        cache["index_k"] = write_row(cache["index_k"], row, self.indexer.keys(latent, gcos, gsin)[:, 0], closes)
+        cache["compress_kv"] = write_row(cache["compress_kv"], row, self.compress_latent(latent, gcos, gsin)[:, 0], closes)
+        shared["compress_kv"] = cache["compress_kv"]
+        publish_index_k(shared, cache["index_k"], self.layer_id, closes, reference_compat)
+
+
+# ------------------------------------------------------------------ index-key hand-off (decode)
+
+
+def publish_index_k(shared: dict, own: jax.Array, layer_id: int, closes: jax.Array | None, reference_compat) -> None:
+    """An index-key owner publishes its cache as shared["index_k"] (and its id, per row, as
+    shared["index_k_owner"]).
+
+    Default: always (every owner's indexer scores its own keys). reference_compat: only on rows
+    where a latent was produced this step (`closes`; None = every step, ratio 1), as the reference
+    does (SPEC §21); other rows keep the pointer already in `shared` - at the first owner of a
+    call that is the previous call's last publisher (`previous_call_index_k_owner`), which the
+    caller seeds. A traced `reference_compat` selects between the two per call.
+    """
+    b = own.shape[0]
+    mine = jnp.full((b,), layer_id, jnp.int32)
+    if closes is None or reference_compat is False:
+        shared["index_k"], shared["index_k_owner"] = own, mine
+        return
+    if "index_k" not in shared:
+        raise ValueError(
+            f"layer {layer_id}: reference_compat needs shared['index_k'] / ['index_k_owner'] seeded with the index-key "
+            "cache the previous call published last (see previous_call_index_k_owner)"
+        )
+    prev, prev_owner = shared["index_k"], shared["index_k_owner"]
+    if prev.shape[1] < own.shape[1]:
+        raise NotImplementedError(
+            f"reference_compat: layer {layer_id} would fall back to an index-key cache of {prev.shape[1]} rows, fewer "
+            f"than its own {own.shape[1]}; the reference's behaviour for this config is not defined"
+        )
+    keep = closes if reference_compat is True else closes | ~jnp.asarray(reference_compat, bool)
+    shared["index_k"] = jnp.where(keep[:, None, None], own, prev[:, : own.shape[1]])
+    shared["index_k_owner"] = jnp.where(keep, mine, prev_owner)
+
+
+def read_index_k(shared: dict, width: int, layer_id: int) -> tuple[jax.Array, jax.Array]:
+    """The first `width` rows of the published index keys, bf16 [b, width, ihd], and their owner
+    int32 [b]. Only the first (pos + 1) // r of them are visible to row b."""
+    keys = _require(shared, "index_k", layer_id)
+    if keys.shape[1] < width:
+        raise NotImplementedError(
+            f"layer {layer_id} reads {width} index-key rows but the published cache has {keys.shape[1]} "
+            "(reference_compat fallback to a coarser owner); the reference's behaviour for this config is not defined"
+        )
+    return keys[:, :width], _require(shared, "index_k_owner", layer_id)
+
+
+def previous_call_index_k_owner(args: ModelArgs) -> int:
+    """The layer whose index-key cache the reference's shared pointer holds when a decode call
+    starts: the last index-key owner that published in the previous call.
+
+    Well defined only when the last kv source has ratio 1: it produces a latent (and publishes)
+    in every call, prefill or decode, so it is the previous call's last publisher whatever the
+    positions. Otherwise it depends on the position history, and NotImplementedError is raised.
+    """
+    last = args.kv_source_layers[-1]
+    if args.compress_ratios[last] != 1:
+        raise NotImplementedError(
+            f"reference_compat: the last kv source, layer {last}, has compress ratio {args.compress_ratios[last]}; "
+            "which index-key cache the reference's decode falls back to then depends on the previous positions, "
+            "which this port does not reproduce"
+        )
+    return last

@@ -21,8 +21,21 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     b, s, hc, d = x.shape
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
     rsqrt = 1.0 / jnp.sqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
-    mixes = jnp.einsum("bsk,mk->bsm", u, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * rsqrt
+    mixes = _project_rounded_once(u, fn.astype(jnp.float32)) * rsqrt
     return hc_split_sinkhorn(mixes, scale, base, hc=hc, iters=iters, eps=hc_eps)
+
+
+def _project_rounded_once(u: jax.Array, fn: jax.Array) -> jax.Array:
+    """u f32 [b, s, K] @ fn^T f32 [m, K] -> f32 [b, s, m], accumulated in float64 and rounded once,
+    as the reference's fp32 linear is evaluated (the 20480-long sum otherwise moves the mixes by an
+    fp32 ulp, enough to flip a bf16 rounding of the stream now and then). TPUs have no float64:
+    there the sum stays fp32 (HIGHEST)."""
+    if jax.default_backend() == "tpu":
+        return jnp.einsum("bsk,mk->bsm", u, fn, precision=jax.lax.Precision.HIGHEST)
+    with jax.enable_x64(True):
+        y = jnp.einsum("bsk,mk->bsm", u.astype(jnp.float64), fn.astype(jnp.float64),
+                       precision=jax.lax.Precision.HIGHEST)
+        return y.astype(jnp.float32)
 
 
 def hc_pre(x: jax.Array, pre_mix: jax.Array) -> jax.Array:

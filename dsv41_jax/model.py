@@ -7,15 +7,21 @@ routed experts are stacked (`layers.{i}.ffn.experts.w1.weight[e]`, see `dsv41_ja
 Cross-layer sharing (compressed KV, index keys, top-k, candidates) is a plain dict handed up the
 stack; which layer reads or writes what is decided by static per-layer facts of `ModelArgs`, so
 the whole forward traces once under `jax.jit`.
+
+Generation: `Transformer.prefill(ids, lengths, cache)` runs right-padded prompts and seeds the
+caches of `dsv41_jax.cache`; `Transformer.decode_step(ids, pos, cache)` adds one token per row,
+each row at its own position. Both are pure functions of (model, arrays), one trace per shape.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from dsv41_jax.attention import Attention
+from dsv41_jax.attention import Attention, previous_call_index_k_owner
+from dsv41_jax.cache import cache_max_seq_len
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.engram import Engram, EngramLayout, engram_hash
 from dsv41_jax.layers import Embedding, Linear, RMSNorm
@@ -56,15 +62,12 @@ class Block(nnx.Module):
             getattr(self, f"hc_{site}_base")[...], norm_eps=a.norm_eps, iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps,
         )
 
-    def __call__(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None):
-        """x [b, s, hc, d] bf16, pre_mix [b, s, hc] f32 (from the previous block's FFN mixes).
-
-        Returns (x [b, s, hc, d] bf16, this block's FFN `pre` [b, s, hc] f32, shared, aux).
-        """
+    def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend):
+        """The block around an attention call `attend(h) -> (out, extra)`; returns (x, this
+        block's FFN pre-mix, extra, MoE aux)."""
         residual = x
         attn_pre, attn_post, attn_comb = self._mixes(x, "attn")
-        h = self.attn_norm(hc_pre(x, pre_mix))
-        h, shared, aux = self.attn(h, shared)
+        h, extra = attend(self.attn_norm(hc_pre(x, pre_mix)))
         x = hc_post(h, residual, attn_post, attn_comb)
 
         residual = x
@@ -72,7 +75,46 @@ class Block(nnx.Module):
         h = self.ffn_norm(hc_pre(x, attn_pre))
         h, moe_aux = self.ffn(h, image_mask)
         x = hc_post(h, residual, ffn_post, ffn_comb)
-        return x, ffn_pre, shared, {**aux, **moe_aux}
+        return x, ffn_pre, extra, moe_aux
+
+    def __call__(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None):
+        """Prefill without caches. x [b, s, hc, d] bf16, pre_mix [b, s, hc] f32 (from the previous
+        block's FFN mixes).
+
+        Returns (x [b, s, hc, d] bf16, this block's FFN `pre` [b, s, hc] f32, shared, aux).
+        """
+        def attend(h):
+            out, new_shared, aux = self.attn(h, shared)
+            return out, (new_shared, aux)
+
+        x, pre, (shared, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
+        return x, pre, shared, {**aux, **moe_aux}
+
+    def prefill(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None,
+                cache: dict, lengths: jax.Array):
+        """`__call__` that also seeds this layer's cache (see `Attention.prefill`); lengths int32
+        [b]. Returns (x, pre, shared, cache, aux)."""
+        def attend(h):
+            out, new_shared, new_cache, aux = self.attn.prefill(h, shared, cache, lengths)
+            return out, (new_shared, new_cache, aux)
+
+        x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
+        return x, pre, shared, cache, {**aux, **moe_aux}
+
+    def decode(self, x: jax.Array, pre_mix: jax.Array, shared: dict, cache: dict, pos: jax.Array,
+               reference_compat: bool | jax.Array = False):
+        """One token per row: x [b, 1, hc, d], pre_mix [b, 1, hc], pos int32 [b], cache = this
+        layer's entry. Returns (x, pre, shared, cache, aux); see `Attention.decode`."""
+        def attend(h):
+            out, new_shared, new_cache, aux = self.attn.decode(h, shared, cache, pos, reference_compat)
+            return out, (new_shared, new_cache, aux)
+
+        x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, None, attend)
+        return x, pre, shared, cache, {**aux, **moe_aux}
+
+
+# aux names that differ from the golden arrays' names
+_GOLDEN_NAMES = {"kv_state": "compressor_kv_state", "score_state": "compressor_score_state"}
 
 
 class Transformer(nnx.Module):
@@ -90,39 +132,151 @@ class Transformer(nnx.Module):
 
     def __call__(self, ids: jax.Array, token_types: jax.Array | None = None, embeds: jax.Array | None = None,
                  *, all_logits: bool = False, collect: bool = False):
-        """Prefill of whole prompts (start_pos 0).
+        """Prefill of whole prompts (start_pos 0), without caches.
 
         ids [b, s] int; token_types [b, s] int (-1 text, >= 0 image span) or None; embeds [b, s, d]
         bf16 replaces the embedding rows (image spans carry the vision tower's features).
         Returns logits f32 [b, V] (last position) or [b, s, V] with all_logits; with collect,
         also a dict of per-layer intermediates keyed like the golden arrays.
         """
-        a = self.args
-        b, s = ids.shape
-        image_mask = None if token_types is None else token_types >= 0
-        engram_mask = None if image_mask is None else ~image_mask
+        b = ids.shape[0]
+        image_mask, engram_mask = _masks(token_types)
         hashes = None
         if self.engram_layout is not None:
-            history = jnp.zeros((b, a.max_seq_len), jnp.int32)
+            history = jnp.zeros((b, self.args.max_seq_len), jnp.int32)
             hashes, _ = engram_hash(ids, 0, history, engram_mask, self.engram_layout, self.token_map[...])
-        h = self.embed(ids) if embeds is None else embeds.astype(jnp.bfloat16)
-        x = jnp.broadcast_to(h[:, :, None, :], (b, s, a.hc_mult, a.dim))
-        pre_mix = identity_pre_mix(b, s, a.hc_mult)
         shared: dict = {}
+
+        def step(layer, x, pre_mix):
+            nonlocal shared
+            x, pre_mix, shared, aux = layer(x, pre_mix, shared, image_mask)
+            return x, pre_mix, aux
+
         record = {}
+        x, pre_mix = self._stack(self._embed(ids, embeds), hashes, engram_mask, step, record if collect else None)
+        logits = self.logits(x, pre_mix, all_logits=all_logits)
+        return (logits, record) if collect else logits
+
+    def prefill(self, ids: jax.Array, lengths: jax.Array | None, cache: dict, token_types: jax.Array | None = None,
+                embeds: jax.Array | None = None, *, collect: bool = False):
+        """Prefill of right-padded prompts, seeding `cache` (`dsv41_jax.cache.init_cache`).
+
+        ids int [b, S] (row b real in [0, lengths[b]), anything after), lengths int32 [b] with
+        1 <= L <= S (None: all S), token_types / embeds as `__call__`. Positions past a row's
+        length never reach its real positions (every path is causal) and what they leave in the
+        cache is overwritten before a decode step can see it.
+        Returns (logits f32 [b, V] at each row's last real position, cache with seq_len =
+        lengths), plus the golden-keyed intermediates with collect.
+        """
+        b, s = ids.shape
+        t = cache_max_seq_len(cache)
+        if t is not None and s > t:
+            raise ValueError(f"prefill of {s} positions does not fit a cache of max_seq_len {t}")
+        lengths = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        _check_lengths(lengths, s)
+        image_mask, engram_mask = _masks(token_types)
+        cache = dict(cache)
+        hashes = None
+        if self.engram_layout is not None:
+            hashes, cache["engram_history"] = engram_hash(
+                ids, 0, cache["engram_history"], engram_mask, self.engram_layout, self.token_map[...])
+        shared: dict = {}
+        layers = list(cache["layers"])
+
+        def step(layer, x, pre_mix):
+            nonlocal shared
+            i = layer.layer_id
+            x, pre_mix, shared, layers[i], aux = layer.prefill(x, pre_mix, shared, image_mask, layers[i], lengths)
+            if self.args.is_index_source(i):
+                aux["index_k_owner"] = jnp.asarray(self.args.kv_source_of(i), jnp.int32)  # every owner publishes
+            return x, pre_mix, aux
+
+        record = {} if collect else None
+        if collect and hashes is not None:
+            record["engram_hashes"] = hashes
+        x, pre_mix = self._stack(self._embed(ids, embeds), hashes, engram_mask, step, record)
+        rows = jnp.arange(b)
+        last = lengths - 1
+        logits = self.logits(x[rows, last][:, None], pre_mix[rows, last][:, None])
+        cache["layers"], cache["seq_len"] = layers, lengths
+        return (logits, cache, record) if collect else (logits, cache)
+
+    def decode_step(self, ids: jax.Array, pos: jax.Array, cache: dict, *, reference_compat: bool = False,
+                    collect: bool = False):
+        """One new token per row. ids int [b], pos int32 [b] (its position: row b holds pos[b]
+        tokens, e.g. cache["seq_len"]; pos < max_seq_len), cache from `prefill` or a previous step.
+
+        reference_compat=False (default): every index-key owner scores its own keys, so a decode
+        step computes what a prefill of the whole sequence computes. True: reproduce the official
+        decode's index-key hand-off (SPEC §21), where a ratio-r owner whose group is still open
+        scores the keys the previous call published last; raises NotImplementedError for configs
+        where that is not a fixed layer (`previous_call_index_k_owner`).
+        Returns (logits f32 [b, V], cache with seq_len = pos + 1), plus intermediates with collect.
+        """
+        a = self.args
+        (b,) = ids.shape
+        pos = jnp.asarray(pos, jnp.int32)
+        cache = dict(cache)
+        hashes = None
+        if self.engram_layout is not None:
+            hashes, cache["engram_history"] = self.decode_hashes(ids, pos, cache["engram_history"])
+        shared: dict = {}
+        if reference_compat:
+            owner = previous_call_index_k_owner(a)
+            shared["index_k"] = cache["layers"][owner]["index_k"]
+            shared["index_k_owner"] = jnp.full((b,), owner, jnp.int32)
+        layers = list(cache["layers"])
+
+        def step(layer, x, pre_mix):
+            nonlocal shared
+            i = layer.layer_id
+            x, pre_mix, shared, layers[i], aux = layer.decode(x, pre_mix, shared, layers[i], pos, reference_compat)
+            return x, pre_mix, aux
+
+        record = {} if collect else None
+        if collect and hashes is not None:
+            record["engram_hashes"] = hashes
+        x, pre_mix = self._stack(self._embed(ids[:, None], None), hashes, None, step, record)
+        logits = self.logits(x, pre_mix)
+        cache["layers"], cache["seq_len"] = layers, pos + 1
+        return (logits, cache, record) if collect else (logits, cache)
+
+    def decode_hashes(self, ids: jax.Array, pos: jax.Array, history: jax.Array):
+        """Engram hashes of one token per row at per-row positions: int32 [b, 1, n_tables, cols]
+        and the history with position pos[b] of row b written."""
+        def one(i, p, h):
+            rows, h = engram_hash(i[None, None], p, h[None], None, self.engram_layout, self.token_map[...])
+            return rows[0], h[0]
+
+        return jax.vmap(one)(ids, pos, history)
+
+    def _embed(self, ids: jax.Array, embeds: jax.Array | None) -> jax.Array:
+        """Token embeddings (or the given rows) as the hc copies of the stream, [b, s, hc, d]."""
+        a = self.args
+        h = self.embed(ids) if embeds is None else embeds.astype(jnp.bfloat16)
+        return jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], a.hc_mult, a.dim))
+
+    def _stack(self, x: jax.Array, hashes: jax.Array | None, engram_mask: jax.Array | None, step,
+               record: dict | None) -> tuple[jax.Array, jax.Array]:
+        """Engram + blocks over the stream x [b, s, hc, d], starting from the identity pre-mix;
+        `step(layer, x, pre_mix) -> (x, pre_mix, aux)` runs one block. Returns the final
+        (x, pre_mix); fills `record` (golden key names) when given."""
+        a = self.args
+        b, s = x.shape[:2]
+        pre_mix = identity_pre_mix(b, s, a.hc_mult)
         for i, layer in enumerate(self.layers):
+            tag = f"L{i:02d}"
             with jax.named_scope(f"layer_{i}"):
                 if layer.engram is not None:
                     x = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], engram_mask)
-                    if collect:
-                        record[f"engram_out.L{i:02d}"] = x
-                x, pre_mix, shared, aux = layer(x, pre_mix, shared, image_mask)
-                if collect:
-                    record[f"block_out.L{i:02d}"] = x
-                    record[f"block_premix.L{i:02d}"] = pre_mix
-                    record.update({f"{k}.L{i:02d}": v for k, v in aux.items()})
-        logits = self.logits(x, pre_mix, all_logits=all_logits)
-        return (logits, record) if collect else logits
+                    if record is not None:
+                        record[f"engram_out.{tag}"] = x
+                x, pre_mix, aux = step(layer, x, pre_mix)
+            if record is not None:
+                record[f"block_out.{tag}"] = x
+                record[f"block_premix.{tag}"] = pre_mix
+                record.update({f"{_GOLDEN_NAMES.get(k, k)}.{tag}": v for k, v in aux.items()})
+        return x, pre_mix
 
     def logits(self, x: jax.Array, pre_mix: jax.Array, *, all_logits: bool = False) -> jax.Array:
         """Final collapse (last block's FFN pre-mix), norm, fp32 head. x [b, s, hc, d]."""
@@ -130,3 +284,21 @@ class Transformer(nnx.Module):
         if not all_logits:
             h = h[:, -1]
         return self.head(h.astype(jnp.float32))
+
+
+def _masks(token_types: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """(image_mask, engram_mask) from token_types (-1 text, >= 0 image span), or (None, None)."""
+    if token_types is None:
+        return None, None
+    image_mask = token_types >= 0
+    return image_mask, ~image_mask
+
+
+def _check_lengths(lengths: jax.Array, s: int) -> None:
+    """1 <= L <= S, checked when the lengths are concrete (under jit they are not)."""
+    try:
+        lens = np.asarray(lengths)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if lens.min() < 1 or lens.max() > s:
+        raise ValueError(f"prefill lengths must be in [1, {s}] (the padded prompt length), got {lens.tolist()}")

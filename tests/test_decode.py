@@ -1,0 +1,508 @@
+"""Decode with caches (SPEC §5.4-5.7, §5.12, §21).
+
+* Teacher-forced decode parity with the official reference, per block (SPEC §20): the caches are
+  seeded by a teacher-forced prefill, then at each of the 24 golden steps every block gets the
+  golden input of that step while the caches flow from step to step. Default mode against
+  `decode_fixed.*`, reference_compat against `decode.*` (the official index-key hand-off).
+* The caches a prefill leaves equal the reference's.
+* Per-row positions: rows of different lengths in one right-padded batch compute what each row
+  computes alone, and a decode step computes exactly what a prefill of the same tokens computes.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax import parity
+from dsv41_jax.attention import previous_call_index_k_owner
+from dsv41_jax.cache import cache_bytes, init_cache, seed_group_state, seed_window, write_row
+from dsv41_jax.config import ModelArgs
+from dsv41_jax.engram import engram_hash
+from dsv41_jax.mhc import identity_pre_mix
+from dsv41_jax.parity import GoldenSet, load_model
+
+DATA = Path(__file__).parent / "data"
+MODES = {"decode_fixed": False, "decode": True}  # golden prefix -> reference_compat
+_RENAME = {"kv_state": "compressor_kv_state", "score_state": "compressor_score_state"}
+# columns the reference does not have in decode (it scores only the visible (pos+1)//r rows):
+# what the port must hold there, and what the golden arrays pad with
+_PADDED = {"candidates": False, "index_score": -np.inf, "cand_block_score": -np.inf}
+
+
+@functools.cache
+def _model(path: str):
+    return load_model(GoldenSet(path))
+
+
+def _tag(i: int) -> str:
+    return f"L{i:02d}"
+
+
+def _bf16(a) -> jax.Array:
+    return jnp.asarray(np.asarray(a), jnp.bfloat16)
+
+
+# --------------------------------------------------------------------- teacher-forced runners
+
+
+@nnx.jit
+def _tf_prefill(model, ids, token_types, cache, xs, pres, eng):
+    """Every block's prefill on its golden input (xs / pres / eng: per layer), seeding the cache."""
+    b, s = ids.shape
+    lengths = jnp.full((b,), s, jnp.int32)
+    image_mask = None if token_types is None else token_types >= 0
+    engram_mask = None if image_mask is None else ~image_mask
+    cache, layers = dict(cache), list(cache["layers"])
+    if model.engram_layout is not None:
+        _, cache["engram_history"] = engram_hash(
+            ids, 0, cache["engram_history"], engram_mask, model.engram_layout, model.token_map[...])
+    shared: dict = {}
+    for i, layer in enumerate(model.layers):
+        x = xs[i]
+        if layer.engram is not None:
+            x = eng[i]  # hashes feed only the cache history here; prefill Engram parity is tested elsewhere
+        _, _, shared, layers[i], _ = layer.prefill(x, pres[i], shared, image_mask, layers[i], lengths)
+    cache["layers"], cache["seq_len"] = layers, lengths
+    return cache
+
+
+@nnx.jit
+def _tf_decode(model, ids, pos, cache, xs, pres, eng, final, compat):
+    """One decode step with every block on its golden input; `compat` is a traced bool, so one
+    compiled program serves both modes. Returns (golden-named arrays, cache)."""
+    a = model.args
+    cache, layers = dict(cache), list(cache["layers"])
+    rec = {"h0": model.embed(ids)[:, None]}
+    if model.engram_layout is not None:
+        hashes, cache["engram_history"] = model.decode_hashes(ids, pos, cache["engram_history"])
+        rec["engram_hashes"] = hashes
+    # what the reference's pointer holds when the call starts (read only in compat mode)
+    owner = previous_call_index_k_owner(a)
+    shared = {"index_k": layers[owner]["index_k"], "index_k_owner": jnp.full(ids.shape, owner, jnp.int32)}
+    for i, layer in enumerate(model.layers):
+        x = xs[i]
+        if layer.engram is not None:
+            rec[f"engram_out.{_tag(i)}"] = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], None)
+            x = eng[i]
+        out, pre, shared, layers[i], aux = layer.decode(x, pres[i], shared, layers[i], pos, compat)
+        rec[f"block_out.{_tag(i)}"], rec[f"block_premix.{_tag(i)}"] = out, pre
+        rec.update({f"{_RENAME.get(k, k)}.{_tag(i)}": v for k, v in aux.items()})
+    rec["logits"] = model.logits(*final)
+    cache["layers"], cache["seq_len"] = layers, pos + 1
+    return rec, cache
+
+
+def _prefill_teacher(gs: GoldenSet):
+    a = gs.args
+    h0 = _bf16(gs["prefill.h0"])
+    b, s = h0.shape[:2]
+    xs = [jnp.broadcast_to(h0[:, :, None, :], (b, s, a.hc_mult, a.dim))]
+    xs += [_bf16(gs[f"prefill.block_out.{_tag(i - 1)}"]) for i in range(1, a.n_layers)]
+    pres = [identity_pre_mix(b, s, a.hc_mult)] + [jnp.asarray(gs[f"prefill.block_premix.{_tag(i - 1)}"])
+                                                   for i in range(1, a.n_layers)]
+    eng = {i: _bf16(gs[f"prefill.engram_out.{_tag(i)}"]) for i in a.engram_layer_ids}
+    return xs, pres, eng
+
+
+def _step_teacher(gs: GoldenSet, prefix: str, t: int):
+    a = gs.args
+    h0 = _bf16(gs["decode.h0"][t])  # [b, 1, d]
+    b = h0.shape[0]
+    xs = [jnp.broadcast_to(h0[:, :, None, :], (b, 1, a.hc_mult, a.dim))]
+    xs += [_bf16(gs[f"{prefix}.block_out.{_tag(i - 1)}"][t]) for i in range(1, a.n_layers)]
+    pres = [identity_pre_mix(b, 1, a.hc_mult)] + [jnp.asarray(gs[f"{prefix}.block_premix.{_tag(i - 1)}"][t])
+                                                  for i in range(1, a.n_layers)]
+    eng = {i: _bf16(gs[f"{prefix}.engram_out.{_tag(i)}"][t]) for i in a.engram_layer_ids}
+    last = _tag(a.n_layers - 1)
+    final = (_bf16(gs[f"{prefix}.block_out.{last}"][t]), jnp.asarray(gs[f"{prefix}.block_premix.{last}"][t]))
+    return xs, pres, eng, final
+
+
+@functools.cache
+def _prefilled(path: str):
+    gs = GoldenSet(path)
+    ids = jnp.asarray(gs["inputs.prompt"], jnp.int32)
+    tt = gs.token_types()
+    cache = init_cache(gs.args, ids.shape[0], gs.args.max_seq_len)
+    return _tf_prefill(_model(path), ids, None if tt is None else jnp.asarray(tt), cache, *_prefill_teacher(gs))
+
+
+@functools.cache
+def _decoded(path: str, prefix: str):
+    """The teacher-forced decode of all golden steps: (port arrays keyed like the golden set,
+    problems found while bringing them to the golden shapes)."""
+    gs, model = GoldenSet(path), _model(path)
+    cache = _prefilled(path)
+    steps = []
+    for t in range(len(gs["decode.start_pos"])):
+        ids = jnp.asarray(gs["decode.input"][t], jnp.int32)
+        pos = jnp.full(ids.shape, int(gs["decode.start_pos"][t]), jnp.int32)
+        rec, cache = _tf_decode(model, ids, pos, cache, *_step_teacher(gs, prefix, t), jnp.asarray(MODES[prefix]))
+        steps.append(jax.tree.map(np.asarray, rec))
+    rec = {k: np.stack([s[k] for s in steps]) for k in steps[0]}
+    return _golden_shaped(gs, prefix, rec)
+
+
+def _golden_shaped(gs: GoldenSet, prefix: str, rec: dict):
+    port, problems = {}, []
+    for key, v in rec.items():
+        kind = key.split(".")[0]
+        name = f"decode.{key}" if kind in ("h0", "engram_hashes") else f"{prefix}.{key}"  # inputs of both runs
+        if kind == "index_k_owner":  # [T, b]: one layer per step, the same for every row here
+            if not np.all(v == v[:, :1]):
+                problems.append(f"{key}: rows read different owners {v.tolist()}")
+            v = v[:, 0].astype(np.int64)
+        elif kind in _PADDED and name in gs:
+            w = gs[name].shape[-1]
+            if not np.all(v[..., w:] == _PADDED[kind]):
+                problems.append(f"{key}: columns past the reference's width {w} are not {_PADDED[kind]}")
+            v = v[..., :w]
+        elif kind in ("route_idx", "route_w"):
+            v = v.reshape(gs[name].shape) if name in gs else v
+        port[name] = v
+    port[f"{prefix}.next_token"] = port[f"{prefix}.logits"].argmax(-1).astype(np.int64)
+    return port, problems
+
+
+def _assert_all_ok(rows, label, allowed=()):
+    bad = [r for r in rows if not r[1] and r[0] not in allowed]
+    by_kind = {}
+    for key, _, dmax, rel in rows:
+        kind = key.split(".")[1]
+        if dmax > by_kind.get(kind, (None, -1.0))[1]:
+            by_kind[kind] = (key, dmax, rel)
+    for kind, (key, dmax, rel) in sorted(by_kind.items()):
+        print(f"{label} {kind}: worst {key} max|err| {dmax:.4g} err/RMS {rel:.3g}")
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------------------ cache layout
+
+
+def test_cache_of_the_released_config_at_64k_is_what_spec_arithmetic_says():
+    args = ModelArgs.from_json(DATA / "released_config.json", max_seq_len=65536)
+    t, r2 = 65536, [i for i in args.kv_source_layers if args.compress_ratios[i] == 2]
+    r1 = [i for i in args.kv_source_layers if args.compress_ratios[i] == 1]
+    assert (len(r2), len(r1)) == (3, 1)
+    window = 40 * 128 * 512 * 2
+    compressed = (3 * (t // 2) + t) * 512 * 2
+    index_keys = (3 * (t // 2) + t) * 128 * 2
+    states = 3 * 2 * (2 * 512 * 4)
+    engram_history = t * 4
+    per_row = window + compressed + index_keys + states + engram_history + 4  # + seq_len
+    got = cache_bytes(args, 1, t)
+    print(f"released config, 64k positions: {got:,} bytes per sequence ({got / 2**20:.1f} MiB), of which window "
+          f"ring {window:,}, compressed KV {compressed:,}, index keys {index_keys:,}")
+    assert got == per_row
+    assert cache_bytes(args, 4, t) == 4 * per_row
+
+
+def test_init_cache_has_the_reference_shapes_dtypes_and_fill_values():
+    args = ModelArgs.tiny()
+    c = init_cache(args, 3, 64)
+    assert c["seq_len"].shape == (3,) and c["engram_history"].shape == (3, 64)
+    assert len(c["layers"]) == args.n_layers
+    for i, lc in enumerate(c["layers"]):
+        assert lc["window_kv"].shape == (3, args.window_size, args.head_dim) and lc["window_kv"].dtype == jnp.bfloat16
+        r = args.compress_ratios[i]
+        assert ("compress_kv" in lc) == args.is_kv_source(i) and ("kv_state" in lc) == (args.is_kv_source(i) and r > 1)
+        if args.is_kv_source(i):
+            assert lc["compress_kv"].shape == (3, 64 // r, args.head_dim)
+            assert lc["index_k"].shape == (3, 64 // r, args.index_head_dim)
+        if "kv_state" in lc:
+            assert np.all(np.asarray(lc["kv_state"]) == 0) and np.all(np.asarray(lc["score_state"]) == -np.inf)
+
+
+def test_seeded_ring_holds_each_rows_last_window_positions():
+    kv = jnp.arange(2 * 10, dtype=jnp.float32).reshape(2, 10, 1) + 1  # value = 1 + row * 10 + position
+    ring = np.asarray(seed_window(kv, jnp.asarray([10, 3]), 4))[..., 0]
+    np.testing.assert_array_equal(ring[0], [9, 10, 7, 8])  # positions 8, 9, 6, 7
+    np.testing.assert_array_equal(ring[1], [11, 12, 13, 0])  # positions 0, 1, 2; slot 3 never written
+
+
+def test_seeded_compressor_state_parks_each_rows_open_group():
+    v = jnp.arange(2 * 7, dtype=jnp.float32).reshape(2, 7, 1) + 1
+    st = np.asarray(seed_group_state(v, jnp.asarray([7, 4]), 2, -np.inf))[..., 0]
+    np.testing.assert_array_equal(st[0], [7, -np.inf])  # length 7: position 6 waits in slot 0
+    np.testing.assert_array_equal(st[1], [-np.inf, -np.inf])  # length 4: no open group
+
+
+def test_masked_row_write_leaves_masked_rows_untouched():
+    buf = jnp.zeros((2, 3, 1))
+    out = np.asarray(write_row(buf, jnp.asarray([2, 1]), jnp.ones((2, 1)), jnp.asarray([True, False])))[..., 0]
+    np.testing.assert_array_equal(out, [[0, 0, 1], [0, 0, 0]])
+
+
+# ------------------------------------------------------------------- golden: caches, decode
+
+
+def test_caches_after_prefill_equal_the_references(golden):
+    cache = _prefilled(str(golden.path))
+    a = golden.args
+    s = golden["inputs.prompt"].shape[1]
+    port = {}
+    for i, lc in enumerate(cache["layers"]):
+        port[f"prefill.window_kv.{_tag(i)}"] = np.asarray(lc["window_kv"])
+        if "compress_kv" in lc:
+            n = s // a.compress_ratios[i]
+            for name in ("compress_kv", "index_k"):
+                full = np.asarray(lc[name])
+                assert np.all(full[:, n:].astype(np.float32) == 0), f"{name} {_tag(i)}: rows past the prompt written"
+                port[f"prefill.{name}.{_tag(i)}"] = full[:, :n]
+            for name in ("kv_state", "score_state"):
+                if name in lc:
+                    port[f"prefill.{_RENAME[name]}.{_tag(i)}"] = np.asarray(lc[name])
+    rows = parity.compare(port, golden)
+    kinds = ("window_kv", "compress_kv", "index_k", "compressor_kv_state", "compressor_score_state")
+    names = golden.keys()
+    expected = {k.removesuffix(".bf16") for k in names if k.split(".")[1] in kinds and k.startswith("prefill.")}
+    assert {r[0] for r in rows} == expected
+    _assert_all_ok(rows, golden.name)
+    hist = np.asarray(cache["engram_history"])
+    emap = np.load(golden.path / "engram_map.npy")
+    tt = golden.token_types()
+    want = np.where(tt < 0, emap[golden["inputs.prompt"]], -1) if tt is not None else emap[golden["inputs.prompt"]]
+    np.testing.assert_array_equal(hist[:, :s], want)
+
+
+# Measured: every decode array meets its criterion on both sets, in both modes. (Before the
+# hyper-connection projection was accumulated in float64 like the reference, one token of tiny-c,
+# reference_compat, layer 5, step 21 flipped a bf16 rounding and sat 1.09x outside the bound.)
+# The allowance stays as a named knob at zero.
+MAX_TOKENS_OUTSIDE_BOUND = 0
+MAX_OUTSIDE_RATIO = 1.5
+
+
+def _tokens_outside_bound(port: np.ndarray, gold: np.ndarray) -> tuple[int, float]:
+    """(number of tokens [step, row] with an element outside 2^-7 |g| + 2^-7 RMS(g), worst ratio)."""
+    p, g = port.astype(np.float64), gold.astype(np.float64)
+    ratio = np.abs(p - g) / (parity.BF16_REL * np.abs(g) + parity.BF16_REL * np.sqrt(np.mean(g**2)))
+    per_token = ratio.reshape(*ratio.shape[:2], -1).max(-1)
+    return int((per_token > 1).sum()), float(per_token.max())
+
+
+@pytest.mark.parametrize("prefix", list(MODES))
+def test_teacher_forced_decode_matches_reference_block_by_block(golden, prefix):
+    """decode_fixed: default mode (each owner scores its own index keys); decode: reference_compat."""
+    port, problems = _decoded(str(golden.path), prefix)
+    assert not problems
+    rows = parity.compare(port, golden)
+    allowed = set()
+    for key, ok, _, _ in rows:
+        if not ok and key.split(".")[1] in ("block_out", "engram_out"):
+            n, worst = _tokens_outside_bound(port[key], golden[key])
+            print(f"{golden.name} {key}: {n} token(s) outside the bound, worst {worst:.3g}x")
+            if n <= MAX_TOKENS_OUTSIDE_BOUND and worst <= MAX_OUTSIDE_RATIO:
+                allowed.add(key)
+    _assert_all_ok(rows, f"{golden.name} {prefix}", allowed)
+    names = golden.keys()
+    not_computed = {k.removesuffix(".bf16") for k in names if k.startswith(prefix + ".") and k.removesuffix(".bf16") not in port}
+    # inputs of the run, and the DSpark head (not part of the backbone's decode)
+    assert {k.split(".")[1] for k in not_computed if ".dspark_" not in k} <= {"input", "start_pos", "index_width"}
+
+
+# One whole token of the 48 (24 steps x 2 rows) is 2.1% of an array; measured at most 1.13% (the
+# token above). A dropped rounding point changes far more (about 20% in prefill).
+MAX_DIFFERING_FRACTION = 0.025
+
+
+def test_decode_block_outputs_are_bit_identical_except_rare_rounding_flips(golden):
+    for prefix in MODES:
+        port, _ = _decoded(str(golden.path), prefix)
+        for i in range(golden.args.n_layers):
+            key = f"{prefix}.block_out.{_tag(i)}"
+            frac = float(np.mean(port[key].astype(np.float32) != golden[key].astype(np.float32)))
+            assert frac <= MAX_DIFFERING_FRACTION, f"{golden.name} {key}: {frac:.2%} of elements differ"
+
+
+def test_compat_mode_reads_the_ratio1_sources_keys_on_open_group_steps_only(golden):
+    """The hand-off itself (SPEC §21): where a ratio-2 owner's group is still open it scores the
+    last ratio-1 kv source's keys; by default it scores its own."""
+    a = golden.args
+    fallback = previous_call_index_k_owner(a)
+    assert a.compress_ratios[fallback] == 1
+    pos = golden["decode.start_pos"]
+    for prefix, compat in MODES.items():
+        port, _ = _decoded(str(golden.path), prefix)
+        for i in a.index_source_layers:
+            got = port[f"{prefix}.index_k_owner.{_tag(i)}"]
+            own = a.kv_source_of(i)
+            if compat and a.compress_ratios[own] > 1:
+                want = np.where((pos + 1) % a.compress_ratios[own] == 0, own, fallback)
+                assert len(set(want.tolist())) == 2  # both kinds of step occur
+            else:
+                want = np.full_like(pos, own)
+            np.testing.assert_array_equal(got, want, err_msg=f"{prefix} {_tag(i)}")
+
+
+def test_reference_compat_is_refused_when_the_fallback_owner_depends_on_history():
+    args = ModelArgs.tiny(compress_ratios=(0, 0, 2, 2, 2, 2, 2), kv_source_layers=(2, 4),
+                          index_source_layers=(2, 4, 6), candidate_source_layer=4)
+    with pytest.raises(NotImplementedError, match="last kv source, layer 4"):
+        previous_call_index_k_owner(args)
+    from dsv41_jax.model import Transformer
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
+    cache = jax.eval_shape(lambda: init_cache(args, 1, 32))
+    ids = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def step(compat):
+        return jax.eval_shape(
+            lambda st, i, p, c: nnx.merge(graphdef, st).decode_step(i, p, c, reference_compat=compat),
+            state, ids, ids, cache)
+
+    with pytest.raises(NotImplementedError, match="reference_compat"):
+        step(True)
+    logits, _ = step(False)  # the default mode has no such restriction
+    assert logits.shape == (1, args.vocab_size)
+
+
+# ------------------------------------------------------------------------- per-row positions
+
+
+_DECODE_TRACES = []
+
+
+@nnx.jit
+def _prefill(model, ids, lengths, cache):
+    return model.prefill(ids, lengths, cache, collect=True)
+
+
+@nnx.jit
+def _decode(model, ids, pos, cache):
+    _DECODE_TRACES.append(ids.shape)
+    return model.decode_step(ids, pos, cache, collect=True)
+
+
+# A right-padded batch of two rows: row 0 = prompt 0 + its 24 golden continuations (88 tokens),
+# row 1 = the first 63 tokens of prompt 1 (odd: its last token waits in the ratio-2 compressor
+# states), padded with unrelated tokens. Row 1 is then fed the rest of its 88 tokens one decode
+# step at a time (positions 63..87) while row 0 continues greedily (positions 88..).
+ROW1_LEN = 63
+STEPS = 25
+
+
+def _greedy(k, row, logits):
+    return int(logits.argmax())
+
+
+@functools.cache
+def _per_row_runs():
+    """{name: (logits [1 + steps, 2, V] (prefill, then each step), cache after the prefill,
+    intermediates of the prefill, intermediates of the first step)}."""
+    gs = GoldenSet(DATA / "golden" / "tiny-a")
+    model, a = _model(str(gs.path)), gs.args
+    full = np.concatenate([gs["inputs.prompt"], gs["decode.input"].T], axis=1).astype(np.int32)  # [2, 88]
+    n = full.shape[1]
+
+    def run(ids, lengths, feed, steps):
+        """prefill, then `steps` decode steps; feed(k, row, logits) gives the row's token at step k."""
+        logits, cache, prefill_rec = _prefill(model, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
+                                              init_cache(a, 2))
+        seeded, out, step_recs = cache, [np.asarray(logits)], []
+        pos = np.asarray(lengths, np.int32)
+        for k in range(steps):
+            tok = np.asarray([feed(k, r, out[-1][r]) for r in range(2)], np.int32)
+            logits, cache, rec = _decode(model, jnp.asarray(tok), jnp.asarray(pos), cache)
+            out.append(np.asarray(logits))
+            step_recs.append(rec)
+            pos = pos + 1
+        return np.stack(out), seeded, prefill_rec, step_recs[0] if step_recs else None
+
+    def forced(k, row, logits):
+        return int(full[1, ROW1_LEN + k])
+
+    mixed_ids = full.copy()
+    mixed_ids[1, ROW1_LEN:] = full[0, ROW1_LEN:]  # padding: any tokens
+    return {
+        "mixed": run(mixed_ids, [n, ROW1_LEN], lambda k, r, lg: _greedy(k, r, lg) if r == 0 else forced(k, r, lg),
+                     STEPS),
+        "whole": run(full, [n, n], _greedy, 0),  # one prefill over all 88 tokens of both rows
+        # each row alone (the same prompt in both rows, unpadded)
+        "row0_alone": run(np.stack([full[0]] * 2), [n, n], _greedy, 4),
+        "row1_alone": run(np.stack([full[1, :ROW1_LEN]] * 2), [ROW1_LEN] * 2, forced, 4),
+    }
+
+
+def _bf16_level(port, gold) -> tuple[bool, float]:
+    """(|port - gold| <= 2^-7 |gold| + 2^-7 RMS(gold) everywhere, max |port - gold|)."""
+    p, g = np.asarray(port, np.float64), np.asarray(gold, np.float64)
+    d = np.abs(p - g)
+    return bool(np.all(d <= parity.BF16_REL * (np.abs(g) + np.sqrt(np.mean(g**2))))), float(d.max())
+
+
+def test_rows_at_different_positions_compute_what_each_row_computes_alone():
+    runs = _per_row_runs()
+    mixed = runs["mixed"][0]
+    worst = 0.0
+    for row, alone in ((0, runs["row0_alone"][0]), (1, runs["row1_alone"][0])):
+        for k in range(alone.shape[0]):  # the prefill, then 4 decode steps
+            got, want = mixed[k, row], alone[k, 0]
+            ok, dmax = _bf16_level(got, want)
+            worst = max(worst, dmax)
+            assert ok, f"row {row} step {k}: max |diff| {dmax}"
+            assert got.argmax() == want.argmax(), f"row {row} step {k}"
+    print("batch vs each row alone (prefill + 4 steps): max |logit diff|", worst)
+
+
+def test_padded_prefill_equals_unpadded_prefill():
+    runs = _per_row_runs()
+    (mixed, padded), (alone, unpadded) = runs["mixed"][:2], runs["row1_alone"][:2]
+    ok, dmax = _bf16_level(mixed[0, 1], alone[0, 0])
+    print("padded vs unpadded prefill: max |logit diff|", dmax)
+    assert ok and mixed[0, 1].argmax() == alone[0, 0].argmax()
+    a = GoldenSet(DATA / "golden" / "tiny-a").args
+    for i, (p, u) in enumerate(zip(padded["layers"], unpadded["layers"], strict=True)):
+        for name, arr in u.items():
+            got, want = np.asarray(p[name][1], np.float32), np.asarray(arr[0], np.float32)
+            if name in ("compress_kv", "index_k"):  # rows >= L // r hold padding until overwritten
+                n = ROW1_LEN // a.compress_ratios[i]
+                got, want = got[:n], want[:n]
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} {_tag(i)}")
+    np.testing.assert_array_equal(np.asarray(padded["engram_history"])[1, :ROW1_LEN],
+                                  np.asarray(unpadded["engram_history"])[0, :ROW1_LEN])
+    np.testing.assert_array_equal(np.asarray(padded["seq_len"]), [88, ROW1_LEN])
+
+
+def test_decode_steps_reproduce_a_prefill_of_the_same_tokens_bit_for_bit():
+    """Row 1: a padded 63-token prefill plus 25 decode steps at positions 63..87 gives the logits
+    of one prefill over its 88 tokens (the reference's decode_fixed does the same, README
+    Findings); row 0's prefill is unaffected by its padded neighbour."""
+    runs = _per_row_runs()
+    mixed, whole = runs["mixed"][0], runs["whole"][0]
+    np.testing.assert_array_equal(mixed[STEPS, 1], whole[0, 1])
+    np.testing.assert_array_equal(mixed[0, 0], whole[0, 0])
+
+
+def test_one_compiled_decode_step_serves_every_position_and_row_mix():
+    _per_row_runs()
+    assert _DECODE_TRACES == [(2,)]
+
+
+def test_collect_returns_golden_named_intermediates_consistent_with_the_logits():
+    a = GoldenSet(DATA / "golden" / "tiny-a").args
+    model = _model(str(DATA / "golden" / "tiny-a"))
+    logits, _, prefill_rec, step_rec = _per_row_runs()["mixed"]
+    per_layer = {"block_out", "block_premix", "route_idx", "route_w"}
+    for rec in (prefill_rec, step_rec):
+        names = {k.rsplit(".", 1)[0] for k in rec if k.startswith("L", len(k) - 3)}
+        assert per_layer | {"topk", "candidates", "engram_out", "index_k_owner", "index_score"} <= names
+        for i in range(a.n_layers):
+            assert {f"{n}.{_tag(i)}" for n in per_layer} <= rec.keys()
+            assert (f"topk.{_tag(i)}" in rec) == a.is_index_source(i)
+            assert (f"engram_out.{_tag(i)}" in rec) == (i in a.engram_layer_ids)
+        assert "engram_hashes" in rec
+    last = _tag(a.n_layers - 1)
+    # the decode step's logits are the head on its recorded final stream
+    again = nnx.jit(lambda m, x, p: m.logits(x, p))(model, step_rec[f"block_out.{last}"], step_rec[f"block_premix.{last}"])
+    np.testing.assert_array_equal(np.asarray(again), logits[1])
+    assert step_rec[f"topk.{_tag(a.index_source_layers[0])}"].shape == (2, 1, a.index_topk)
+    np.testing.assert_array_equal(np.asarray(step_rec[f"index_k_owner.{_tag(a.index_source_layers[0])}"]),
+                                  [a.index_source_layers[0]] * 2)
