@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics import exact_div
+
 
 def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, *, hc: int, iters: int,
                       eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -24,12 +26,13 @@ def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, *, hc
     logits = m[..., 2 * hc:] * scale[2] + base[2 * hc:]
     c = logits.reshape(*logits.shape[:-1], hc, hc)
     c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
-    c = c / jnp.sum(c, axis=-1, keepdims=True) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    # exact divisions: XLA otherwise multiplies by a reciprocal of the broadcast sums
+    c = exact_div(c, jnp.sum(c, axis=-1, keepdims=True)) + eps
+    c = exact_div(c, jnp.sum(c, axis=-2, keepdims=True) + eps)
 
     def body(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        c = exact_div(c, jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return exact_div(c, jnp.sum(c, axis=-2, keepdims=True) + eps)
 
     c = jax.lax.fori_loop(0, iters - 1, body, c)
     return pre, post, c

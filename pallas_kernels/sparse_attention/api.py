@@ -1,0 +1,169 @@
+"""Dispatch for sparse attention with a sink (SPEC §5.10).
+
+`implementation`: "reference" (gather + jnp, `reference.sparse_attn`, float64 by default: the
+oracle), "pallas" (the kernel for `target`), or "auto" (the kernel on GPU/TPU, the reference on
+CPU). A shape the kernel does not handle falls back to the reference with a logged warning naming
+the shape and the reason; bad arguments raise ValueError first. Gradients come from the reference
+math in f32 (custom VJP).
+
+The kernels' default is the f32-accurate mode (`BlockSizes.split_probs`); see
+benchmarks/README.md for its cost and error against the bf16-probability mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_attention import kernel_gpu, kernel_tpu
+from pallas_kernels.sparse_attention import reference as _ref
+
+logger = logging.getLogger(__name__)
+
+Implementation = Literal["auto", "reference", "pallas"]
+Target = Literal["gpu", "tpu"]
+
+_SMS = 132  # H200/H100 multiprocessors, for the index-split heuristic
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles of the sparse-attention kernels; None picks a default from the shape.
+
+    block_k: index slots per inner step (GPU: power of 2 >= 16; TPU: multiple of 128 on hardware).
+    block_d: output columns per program (GPU; a divisor of head_dim: below head_dim the logits
+      are recomputed per column block, which buys parallelism for few query rows).
+    num_splits: index splits per query row (GPU; > 1 writes f32 partials and combines them).
+    num_warps, num_stages: Triton launch parameters (GPU).
+    split_probs: p.V with p as two bf16 terms (f32-accurate: on the H200 0.2% of outputs round
+      differently from the float64 oracle) rather than one bf16 rounding of p (34-36% differ by an
+      ulp, 1.8x faster in decode at B=64 and 4.4x in prefill; benchmarks/README.md).
+    """
+    block_k: int | None = None
+    block_d: int | None = None
+    num_splits: int | None = None
+    num_warps: int = 8
+    num_stages: int = 2
+    split_probs: bool = True
+
+    def resolved(self, target: Target, rows: int, d: int, k: int) -> BlockSizes:
+        if target == "gpu":
+            # two bf16 terms of p double the p.V operands: narrower column blocks keep the f32
+            # accumulator and both tiles out of local memory (measured on H200, benchmarks/README.md)
+            block_k = self.block_k or (32 if self.split_probs else 64)
+            block_d = min(self.block_d or (256 if self.split_probs else d), d)
+        else:
+            block_k, block_d = self.block_k or 128, d
+        num_splits = self.num_splits
+        if num_splits is None:
+            programs = rows * (d // block_d if d % block_d == 0 else 1)
+            # a program is heavy (all heads, every listed row): half a wave of them already beats
+            # paying for f32 partials (measured on H200); below that, split the index list
+            num_splits = 1 if programs >= _SMS // 2 else max(1, min(pl_cdiv(k, block_k), pl_cdiv(_SMS, programs)))
+        return dataclasses.replace(self, block_k=block_k, block_d=block_d, num_splits=num_splits)
+
+
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _resolve(implementation: str, target: str | None, interpret: bool) -> tuple[bool, str]:
+    if implementation not in ("auto", "reference", "pallas"):
+        raise ValueError(f"implementation must be 'auto', 'reference' or 'pallas', got {implementation=}")
+    backend = jax.default_backend()
+    if target is None:
+        target = "tpu" if backend == "tpu" else "gpu"
+    if target not in ("gpu", "tpu"):
+        raise ValueError(f"target must be 'gpu' or 'tpu', got {target=}")
+    if implementation == "reference":
+        return False, target
+    if implementation == "auto":
+        return backend in ("gpu", "cuda", "rocm", "tpu") or interpret, target
+    if backend == "cpu" and not interpret:
+        raise ValueError("implementation='pallas' on CPU needs interpret=True")
+    return True, target
+
+
+def _validate(q, kv, attn_sink, idx, scale):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [b, m, h, d], got {q.shape=}")
+    b, m, h, d = q.shape
+    if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != d:
+        raise ValueError(f"kv must be [b={b}, n, d={d}], got {kv.shape=}")
+    if idx.ndim != 3 or idx.shape[:2] != (b, m):
+        raise ValueError(f"idx must be [b={b}, m={m}, k], got {idx.shape=}")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"idx must be integer, got {idx.dtype=}")
+    if attn_sink.shape != (h,):
+        raise ValueError(f"attn_sink must be [h={h}], got {attn_sink.shape=}")
+    if not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a python float (static), got {type(scale)=}")
+
+
+def _run_kernel(q, kv, attn_sink, idx, *, scale, target, bs, interpret):
+    if target == "gpu":
+        return kernel_gpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, block_d=bs.block_d,
+                                      num_splits=bs.num_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
+                                      split_probs=bs.split_probs, interpret=interpret)
+    return kernel_tpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, split_probs=bs.split_probs,
+                                  interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attn(q, kv, attn_sink, idx, config):
+    scale, target, bs, interpret = config
+    return _run_kernel(q, kv, attn_sink, idx, scale=scale, target=target, bs=bs, interpret=interpret)
+
+
+def _attn_fwd(q, kv, attn_sink, idx, config):
+    return _attn(q, kv, attn_sink, idx, config), (q, kv, attn_sink, idx)
+
+
+def _attn_bwd(config, res, ct):
+    q, kv, attn_sink, idx = res
+    _, vjp = jax.vjp(lambda a, b, c: _ref.sparse_attn(a, b, c, idx, config[0], accumulate="f32"), q, kv, attn_sink)
+    return (*vjp(ct), None)
+
+
+_attn.defvjp(_attn_fwd, _attn_bwd)
+
+
+def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Array, scale: float, *,
+                implementation: Implementation = "auto", accumulate: str = "f64", target: Target | None = None,
+                block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+    """Single-KV-head attention over gathered positions; K and V are the same vectors.
+
+    q bf16 [b, m, h, d]; kv bf16 [b, n, d]; attn_sink f32 [h]; idx int32 [b, m, k] (positions into
+    kv, -1 = skip); scale: python float on q.kv (not on the sink) -> bf16 [b, m, h, d].
+    out = sum_t e^{l_t} kv[t] / (sum_t e^{l_t} + e^{sink_h}); a row with no valid index gives 0.
+
+    accumulate: the reference path's precision ("f64" the oracle, "f32"); the kernels always
+    run f32 online softmax (see kernel_gpu for the error budget). target: which kernel ("gpu"
+    Triton, "tpu" Mosaic), default from the backend (GPU on CPU, for interpret runs).
+    interpret: run the kernel in Pallas interpret mode (CPU tests).
+    """
+    _validate(q, kv, attn_sink, idx, scale)
+    use_kernel, target = _resolve(implementation, target, interpret)
+
+    def reference():
+        return _ref.sparse_attn(q, kv, attn_sink, idx, float(scale), accumulate=accumulate)
+
+    if not use_kernel:
+        return reference()
+    b, m, _, d = q.shape
+    bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1])
+    config = (float(scale), target, bs, interpret)
+    try:
+        # trace once here so an unsupported case surfaces (and falls back) outside custom_vjp
+        jax.eval_shape(functools.partial(_run_kernel, scale=float(scale), target=target, bs=bs, interpret=interpret),
+                       q, kv, attn_sink, idx)
+    except NotImplementedError as e:
+        logger.warning("sparse_attn: %s kernel does not handle q %s kv %s idx %s (%s); using the reference",
+                       target, q.shape, kv.shape, idx.shape, e)
+        return reference()
+    return _attn(q, kv, attn_sink, idx, config)

@@ -1,0 +1,172 @@
+"""Pallas GPU (Triton lowering) kernel for sparse attention with a sink (SPEC §5.10).
+
+One program per (query row, index split, output-column block), all heads together: the shared
+K=V latent rows a query lists are gathered once per program ([block_k, d] tiles, -1 slots read
+row 0 and are masked) and feed both products on the tensor cores, q [h, d] x kv^T -> logits
+[h, block_k] and p [h, block_k] x kv -> [h, block_d].
+
+Numerics (stated against the float64 oracle `reference.sparse_attn`):
+* logits: bf16 x bf16 products are exact; the d-long sums accumulate in f32.
+* online softmax in f32, the running max starting at the head's sink logit (so it equals the
+  oracle's max(logits, sink) and never meets -inf); the sink enters the denominator once, at the end.
+* probabilities: with `split_probs` (the default) p = p_hi + p_lo, two bf16 terms holding ~16
+  mantissa bits, and p.V = p_hi.V + p_lo.V, both accumulated in f32; this keeps the result at f32
+  accuracy. Without it p is rounded once to bf16 (the upstream tilelang kernel's choice), faster,
+  about 2^-9 relative error per weight.
+* the final division is IEEE round-to-nearest (`div.rn.f32`), then one rounding to bf16.
+With several index splits the kernel writes f32 partials (acc, running max, sum) and a small XLA
+combine rescales and adds them in f32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _div_rn(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
+    """a / b (same shape, f32), IEEE round-to-nearest."""
+    if interpret:
+        return a / b
+    (out,) = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+
+
+def _round_bf16_f32(x: jax.Array, interpret: bool) -> jax.Array:
+    """x rounded to bf16 values, as f32. In interpret mode XLA runs this, and XLA may drop an
+    f32 -> bf16 -> f32 convert pair, so the rounding is made explicit there."""
+    if interpret:
+        return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: int, n_blocks: int,
+            block_d: int, finalize: bool, split_probs: bool, interpret: bool):
+    # idx_ref [ks] int32 (this split's slots); q_ref [h, d] bf16; kv_ref [n, d] bf16; sink_ref [h] f32
+    # finalize: out_refs = (o_ref [h, block_d] bf16,)
+    # else:     out_refs = (acc_ref [h, block_d] f32, m_ref [h] f32, l_ref [h] f32)
+    h, d = q_ref.shape
+    d0 = pl.program_id(2) * block_d
+    q = q_ref[...]
+    sink = sink_ref[...]
+    dims = (((1,), (1,)), ((), ()))
+
+    def body(j, carry):
+        m_i, l_i, acc = carry
+        ids = idx_ref[pl.ds(j * block_k, block_k)]  # [bk]
+        valid = ids >= 0
+        rows = jnp.where(valid, ids, 0)
+        k = kv_ref[rows, :]  # [bk, d] gathered latent rows
+        s = jax.lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * scale  # [h, bk]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # >= sink: finite
+        alpha = jnp.exp(m_i - m_new)
+        p = jnp.exp(s - m_new[:, None])  # masked slots: exp(-inf) = 0
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        v = k if block_d == d else kv_ref[rows, pl.ds(d0, block_d)]  # [bk, block_d]
+        if split_probs:
+            p_hi = _round_bf16_f32(p, interpret)
+            pv = jnp.dot(p_hi.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = pv + jnp.dot((p - p_hi).astype(v.dtype), v, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l_new, acc * alpha[:, None] + pv
+
+    init = (sink, jnp.zeros((h,), jnp.float32), jnp.zeros((h, block_d), jnp.float32))
+    m_i, l_i, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    if finalize:
+        (o_ref,) = out_refs
+        den = l_i + jnp.exp(sink - m_i)  # the sink enlarges the denominator only
+        o_ref[...] = _div_rn(acc, jnp.broadcast_to(den[:, None], acc.shape), interpret).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m_i
+        l_ref[...] = l_i
+
+
+def _combine(acc, m, l, sink):
+    """acc [r, s, h, d], m/l [r, s, h] (each split's max starts at the sink), sink [h] -> bf16 [r, h, d]."""
+    mx = jnp.max(m, axis=1)  # [r, h]
+    w = jnp.exp(m - mx[:, None])
+    num = jnp.sum(acc * w[..., None], axis=1)
+    den = jnp.sum(l * w, axis=1) + jnp.exp(sink[None, :] - mx)
+    # the barrier keeps XLA from turning the broadcast division into a reciprocal multiply
+    out = num / jax.lax.optimization_barrier(jnp.broadcast_to(den[..., None], num.shape))
+    return jax.lax.reduce_precision(out, exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
+
+
+def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Array, scale: float, *,
+                block_k: int, block_d: int, num_splits: int, num_warps: int, num_stages: int,
+                split_probs: bool, interpret: bool) -> jax.Array:
+    """q bf16 [b, m, h, d]; kv bf16 [b, n, d]; attn_sink f32 [h]; idx int32 [b, m, k] -> bf16 [b, m, h, d].
+
+    Raises NotImplementedError for shapes the Triton lowering cannot take (the caller falls back)."""
+    b, m, h, d = q.shape
+    n, k = kv.shape[1], idx.shape[-1]
+    if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"bf16 q and kv only, got {q.dtype=} {kv.dtype=}")
+    if not _pow2(d) or d < 16:
+        raise NotImplementedError(f"head_dim must be a power of 2 >= 16 for Triton tiles, got {d=}")
+    if not _pow2(block_d) or block_d < 16 or d % block_d:
+        raise NotImplementedError(f"block_d must be a power of 2 >= 16 dividing {d=}, got {block_d=}")
+    if not _pow2(block_k) or block_k < 16:
+        raise NotImplementedError(f"block_k must be a power of 2 >= 16, got {block_k=}")
+    if n == 0 or k == 0 or b * m == 0:
+        raise NotImplementedError(f"empty operand ({n=}, {k=}, rows={b * m})")
+    # heads: tensor-core tiles need >= 16 rows and a power of 2; padded heads are dropped after
+    hp = max(16, pl.next_power_of_2(h))
+    # shared memory: q, plus num_stages buffers of the gathered [block_k, d] rows (and of the
+    # [block_k, block_d] value slice when it is loaded separately); Hopper allows 227 KiB a block
+    smem = 2 * (hp * d + num_stages * block_k * (d + (block_d if block_d < d else 0))) + 4096
+    if smem > _SMEM_LIMIT:
+        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
+                                  f"({hp=}, {d=}, {block_k=}, {block_d=}, {num_stages=})")
+    if hp != h:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
+        attn_sink = jnp.pad(attn_sink, (0, hp - h))
+    n_blocks = pl.cdiv(pl.cdiv(k, num_splits), block_k)  # index blocks per split
+    ks = n_blocks * block_k
+    idx = jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, 0), (0, ks * num_splits - k)), constant_values=-1)
+    rows = b * m
+    q3 = q.reshape(rows, hp, d)
+    idx3 = idx.reshape(rows, num_splits, ks)
+    finalize = num_splits == 1
+    grid = (rows, num_splits, d // block_d)
+    in_specs = [
+        pl.BlockSpec((None, None, ks), lambda r, s, c: (r, s, 0)),  # idx
+        pl.BlockSpec((None, hp, d), lambda r, s, c: (r, 0, 0)),  # q
+        pl.BlockSpec((None, n, d), lambda r, s, c: (r // m, 0, 0)),  # kv: the whole cache of batch r // m
+        pl.BlockSpec((hp,), lambda r, s, c: (0,)),  # sink
+    ]
+    if finalize:
+        out_shape = jax.ShapeDtypeStruct((rows, hp, d), jnp.bfloat16)
+        out_specs = pl.BlockSpec((None, hp, block_d), lambda r, s, c: (r, 0, c))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, hp, block_d), lambda r, s, c: (r, s, 0, c)),
+                     pl.BlockSpec((None, None, hp), lambda r, s, c: (r, s, 0)),
+                     pl.BlockSpec((None, None, hp), lambda r, s, c: (r, s, 0)))
+    kernel = functools.partial(_kernel, scale=float(scale), block_k=block_k, n_blocks=n_blocks, block_d=block_d,
+                               finalize=finalize, split_probs=split_probs, interpret=interpret)
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="sparse_attn")(idx3, q3, kv, attn_sink.astype(jnp.float32))
+    if not finalize:
+        out = _combine(*out, attn_sink.astype(jnp.float32))
+    return out.reshape(b, m, hp, d)[:, :, :h]
