@@ -151,9 +151,10 @@ class Generator:
 
 
 def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size: int):
-    """A model from a hub-format directory (config.json or inference/config.json + safetensors
-    shards, plus engram_map.npy when the config has Engram layers). Loads every weight on the host:
-    for tiny and test checkpoints."""
+    """A model from a dsv41-convert output directory (restored sharded on the default mesh), or from
+    a hub-format directory (config.json or inference/config.json + safetensors shards, plus
+    engram_map.npy when the config has Engram layers; every weight loaded on the host: for tiny and
+    test checkpoints)."""
     from dsv41_jax.loading import load_hub_weights
     from dsv41_jax.model import Transformer
     from dsv41_jax.parity import NOT_IN_TEXT_MODEL
@@ -161,6 +162,10 @@ def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size:
     d = Path(ckpt)
     if not d.is_dir():
         raise FileNotFoundError(f"--ckpt {d}: not a directory")
+    if (d / "manifest.json").exists():  # a dsv41-convert output: restore it sharded
+        from dsv41_jax.checkpoint_io import load_converted
+
+        return load_converted(d, max_seq_len=max_seq_len, max_batch_size=max_batch_size)[0]
     cfg = d / "config.json" if (d / "config.json").exists() else d / "inference" / "config.json"
     if not cfg.exists():
         raise FileNotFoundError(f"--ckpt {d}: no config.json or inference/config.json")
@@ -205,7 +210,7 @@ def _prompts_from_args(ns) -> tuple[list[list[int]], object]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsv41-generate", description="Generate text with DeepSeek V4.1 in JAX.")
-    p.add_argument("--ckpt", required=True, help="hub-format checkpoint directory")
+    p.add_argument("--ckpt", required=True, help="dsv41-convert output directory, or a (tiny) hub-format checkpoint")
     p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
     p.add_argument("--tokenizer", help="path to tokenizer.json")
     p.add_argument("--prompt-ids", help="JSON list of lists of token ids, one list per batch row")

@@ -106,3 +106,15 @@ def test_cli_errors_name_the_problem(argv, message, capsys):
 def test_cli_rejects_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
     assert G.main(["--ckpt", str(tmp_path), "--prompt-ids", "[[1]]"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_demo_converts_loads_and_generates_and_the_cli_reads_the_converted_directory(tmp_path, capsys):
+    from dsv41_jax import demo
+
+    assert demo.main(["--new-tokens", "4", "--workdir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.startswith("4. greedy"))
+    demo_tokens = line.split(": ", 1)[1]
+    assert G.main(["--ckpt", str(tmp_path / "converted"), "--prompt-ids", "[[1, 17, 42, 99]]",
+                   "--max-new-tokens", "4", "--max-seq-len", "32"]) == 0
+    assert f"[0] {demo_tokens}" in capsys.readouterr().out
