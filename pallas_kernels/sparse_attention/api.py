@@ -20,6 +20,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._dispatch import resolve as _resolve
 from pallas_kernels.sparse_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.sparse_attention import reference as _ref
 
@@ -70,23 +71,6 @@ class BlockSizes:
 
 def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _resolve(implementation: str, target: str | None, interpret: bool) -> tuple[bool, str]:
-    if implementation not in ("auto", "reference", "pallas"):
-        raise ValueError(f"implementation must be 'auto', 'reference' or 'pallas', got {implementation=}")
-    backend = jax.default_backend()
-    if target is None:
-        target = "tpu" if backend == "tpu" else "gpu"
-    if target not in ("gpu", "tpu"):
-        raise ValueError(f"target must be 'gpu' or 'tpu', got {target=}")
-    if implementation == "reference":
-        return False, target
-    if implementation == "auto":
-        return backend in ("gpu", "cuda", "rocm", "tpu") or interpret, target
-    if backend == "cpu" and not interpret:
-        raise ValueError("implementation='pallas' on CPU needs interpret=True")
-    return True, target
 
 
 def _validate(q, kv, attn_sink, idx, scale):
