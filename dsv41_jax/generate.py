@@ -162,7 +162,8 @@ def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size:
     d = Path(ckpt)
     if not d.is_dir():
         raise FileNotFoundError(f"--ckpt {d}: not a directory")
-    if (d / "manifest.json").exists():  # a dsv41-convert output: restore it sharded
+    if not (d / "model.safetensors.index.json").exists() and (d / "manifest.json").exists():
+        # a dsv41-convert output: restore it sharded
         from dsv41_jax.checkpoint_io import load_converted
 
         return load_converted(d, max_seq_len=max_seq_len, max_batch_size=max_batch_size)[0]
