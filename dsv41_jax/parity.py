@@ -35,8 +35,8 @@ NOT_IN_TEXT_MODEL = ("vision.", "aligner.", "image_start", "image_end", "image_n
 
 # Criteria (SPEC §20), with the bounds measured on the shipped golden sets (tests pin them):
 BF16_REL = 2.0**-7  # bf16 streams: |port - gold| <= 2^-7 |gold| + 2^-7 RMS(gold)
-PREMIX_ATOL = 3e-4  # measured max 1.8e-4, at single tokens where an upstream rounding flipped
-ROUTE_W_ATOL = 6e-4  # measured max 4.2e-4, same tokens
+PREMIX_ATOL = 3e-4  # measured max 1.0e-4 (tiny-c L08), at single tokens where an upstream rounding flipped
+ROUTE_W_ATOL = 6e-4  # measured max 2.6e-4 (tiny-c L08), same tokens
 LOGITS_ATOL = 1e-2  # logits from the golden final stream
 
 
