@@ -2,7 +2,7 @@
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
 limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob` are not in
-the released file). Per-layer facts (attention role, which source layer a reuse layer reads, RoPE
+the released file, nor are the kernel choices `kernels`, `kernels_interpret`). Per-layer facts (attention role, which source layer a reuse layer reads, RoPE
 base, Engram table) are derived here as plain Python, so jitted code can branch on them statically.
 """
 
@@ -45,6 +45,11 @@ class ModelArgs:
     temperature: float = 1.0
     gate_temp: float = 1.0
     norm_topk_prob: bool = True
+    # Pallas-backed sites (pallas_kernels/_dispatch.py): "auto" = the kernel on GPU/TPU and the
+    # jnp reference on CPU, "reference" = always the reference, "pallas" = always the kernel (on
+    # CPU only with kernels_interpret=True, Pallas interpret mode)
+    kernels: str = "auto"
+    kernels_interpret: bool = False
     # storage dtypes
     dtype: str = "fp8"
     expert_dtype: str | None = "fp4"
@@ -189,6 +194,8 @@ class ModelArgs:
         n, n_all = self.n_layers, self.total_layers
         if n <= 0:
             fail(f"n_layers must be positive, got {n}")
+        if self.kernels not in ("auto", "reference", "pallas"):
+            fail(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
         if self.dtype not in ("fp8", "bf16"):
             fail(f"dtype must be 'fp8' or 'bf16', got {self.dtype!r}")
         if self.expert_dtype not in ("fp4", None):
