@@ -1,9 +1,10 @@
 """Model configuration: one frozen, typed `ModelArgs` built from the official `inference/config.json`.
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
-limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob` are not in
-the released file, nor are the kernel choices `kernels`, `kernels_interpret`). Per-layer facts (attention role, which source layer a reuse layer reads, RoPE
-base, Engram table) are derived here as plain Python, so jitted code can branch on them statically.
+limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob` and the
+kernel choices `kernels`, `kernels_interpret` are not in the released file). Per-layer facts
+(attention role, which source layer a reuse layer reads, RoPE base, Engram table) are derived
+here as plain Python, so jitted code can branch on them statically.
 """
 
 from __future__ import annotations
