@@ -31,9 +31,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.numerics import cast, exact_div
-from dsv41_jax import quant
+from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear
+from pallas_kernels._dispatch import resolve as _resolve_kernel
+from pallas_kernels.expert_matmul import api as expert_matmul
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -153,13 +155,18 @@ class Experts(nnx.Module):
     With fp4 (the release): weight packed e2m1 int8 [E, out, in/2], scale e8m0 [E, out, in/32],
     laid out like the hub's `experts.{e}.wN` tensors stacked on axis 0. A checkpoint without fp4
     experts (expert_dtype null) uses the plain Linear dtype instead, as the reference does.
+
+    `kernels` / `kernels_interpret` (ModelArgs fields) pick the fp4 matmul: with the Pallas
+    kernel (pallas_kernels/expert_matmul, "auto" on a GPU) the packed bytes are widened inside the
+    kernel and never reach HBM as bf16; otherwise the jnp paths below widen after the gather.
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,
-                 dtype: WeightDtype = "fp4"):
+                 dtype: WeightDtype = "fp4", *, kernels: str = "auto", kernels_interpret: bool = False):
         self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
         self.swiglu_limit = swiglu_limit
         self.dtype = dtype
+        self.kernels, self.kernels_interpret = kernels, kernels_interpret
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
         self.w3 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
@@ -197,6 +204,20 @@ class Experts(nnx.Module):
         h = swiglu(lin(self.w1, x), lin(self.w3, x), self.swiglu_limit, weights, out_dtype=x.dtype)
         return lin(self.w2, h)
 
+    def use_kernel(self) -> bool:
+        """Whether the routed GEMMs go through the fp4 Pallas kernel (fp4 experts, kernels
+        resolved to Pallas on a GPU or in interpret mode)."""
+        if self.dtype != "fp4":
+            return False
+        use, target = _resolve_kernel(self.kernels, None, self.kernels_interpret)
+        return use and target == "gpu"
+
+    def kernel_ffn(self, xq: jax.Array, weights: jax.Array, matmul) -> jax.Array:
+        """`ffn` with each projection as `matmul(x, linear) -> bf16` (an expert_matmul call on
+        the packed weights): xq [M, dim] bf16, weights [M] f32 -> bf16 [M, dim]."""
+        h = swiglu(matmul(xq, self.w1), matmul(xq, self.w3), self.swiglu_limit, weights[:, None])
+        return matmul(_quantise_input(h, self.dtype), self.w2)
+
 
 # ----------------------------------------------------------------------------------------- MoE
 
@@ -231,15 +252,23 @@ class MoE(nnx.Module):
         plain: WeightDtype = "fp8" if args.dtype == "fp8" else "bf16"
         expert_dtype: WeightDtype = "fp4" if args.expert_dtype == "fp4" else plain
         self.gate = Gate(layer_id, args)
-        self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype)
+        self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype,
+                               kernels=args.kernels, kernels_interpret=args.kernels_interpret)
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit)
 
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
         """x [b, s, dim] bf16, image_mask [b, s] bool or None.
 
-        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]})."""
+        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]}).
+
+        Traced under an active mesh (`jax.set_mesh`) whose `expert` axis is > 1, the routed
+        experts run expert-parallel (`dsv41_jax.expert_parallel`), with the same values; there
+        `path` picks the communication pattern: "gather" -> "replicated", "grouped" ->
+        "all_to_all", "auto" by token count."""
         if path not in ("auto", "gather", "grouped"):
             raise ValueError(f"MoE path must be 'auto', 'gather' or 'grouped', got {path!r}")
+        ep_mesh = expert_parallel.active_expert_mesh()
+        ep_pattern = {"auto": "auto", "gather": "replicated", "grouped": "all_to_all"}[path]
         shape = x.shape
         x = x.reshape(-1, self.dim)
         n, k = x.shape[0], self.topk
@@ -248,21 +277,38 @@ class MoE(nnx.Module):
             path = "gather" if n * k <= self.gather_max_pairs else "grouped"
         # act_quant works per token, so each token is quantised once for all of its experts
         xq = _quantise_input(x, self.experts.dtype)
-        route = self._routed_gather if path == "gather" else self._routed_grouped
-        pair_out = route(xq, weights, indices)
+        if ep_mesh is not None:
+            pair_out = expert_parallel.routed_pairs(
+                self.experts, xq, weights, indices, mesh=ep_mesh, pattern=ep_pattern, tile_rows=self.tile_rows,
+                gather_max_pairs=self.gather_max_pairs)
+        else:
+            route = self._routed_gather if path == "gather" else self._routed_grouped
+            pair_out = route(xq, weights, indices)
         y = combine(pair_out.reshape(n, k, self.dim), indices, self.shared_experts(x))
         return y.reshape(shape), {"route_idx": indices, "route_w": weights}
 
     def _routed_gather(self, xq, weights, indices):
         """-> bf16 [N*k, dim], pair p = token * k + slot."""
         n, k = indices.shape
-        w1, w3, w2 = self.experts.dense(indices.reshape(-1))
-        return self.experts.ffn(jnp.repeat(xq, k, axis=0), w1, w3, w2, weights.reshape(-1))
+        ex = self.experts
+        if ex.use_kernel():
+            e = indices.reshape(-1)
+            interp = ex.kernels_interpret
+
+            def matmul(x, lin):
+                return expert_matmul.gather_matmul(x, lin.weight[...], lin.scale[...], e, implementation=ex.kernels,
+                                                   interpret=interp)
+
+            return ex.kernel_ffn(jnp.repeat(xq, k, axis=0), weights.reshape(-1), matmul)
+        w1, w3, w2 = ex.dense(indices.reshape(-1))
+        return ex.ffn(jnp.repeat(xq, k, axis=0), w1, w3, w2, weights.reshape(-1))
 
     def _routed_grouped(self, xq, weights, indices):
         """-> bf16 [N*k, dim], pair p = token * k + slot."""
         n, k = indices.shape
         r, n_exp = n * k, self.n_experts
+        if self.experts.use_kernel():
+            return self._routed_grouped_kernel(xq, weights, indices)
         c = min(self.tile_rows, r)
         flat = indices.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within
@@ -296,6 +342,31 @@ class MoE(nnx.Module):
         out0 = jnp.zeros((r + c, self.dim), _BF16)
         out_sorted, _ = jax.lax.scan(step, out0, (e, row0, valid))
         return jnp.zeros((r, self.dim), _BF16).at[order].set(out_sorted[:r])
+
+    def _routed_grouped_kernel(self, xq, weights, indices):
+        """`_routed_grouped` through the fp4 kernel: pairs sorted by expert, tiles of one expert
+        read the packed weights once per (tile, N block). Tiles hold 16 rows while experts get
+        few pairs each (decode batches: each live tile reads a whole expert, so small tiles
+        waste no rows), 128 rows for prefill-sized batches (tensor-core-sized tiles)."""
+        n, k = indices.shape
+        r, ex = n * k, self.experts
+        c = 16 if r <= 16 * self.n_experts else 128
+        c = max(16, min(c, pl_next_pow2(r)))
+        order, te, row0, valid = expert_matmul.grouped_tiles(indices.reshape(-1), self.n_experts, c)
+        x_sorted = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, self.dim), xq.dtype)])
+        w_sorted = jnp.concatenate([jnp.take(weights.reshape(-1), order), jnp.zeros((c,), _F32)])
+        interp = ex.kernels_interpret
+
+        def matmul(x, lin):
+            return expert_matmul.grouped_matmul(x, lin.weight[...], lin.scale[...], te, row0, valid, c,
+                                                implementation=ex.kernels, interpret=interp)
+
+        y = ex.kernel_ffn(x_sorted, w_sorted, matmul)
+        return jnp.zeros((r, self.dim), _BF16).at[order].set(y[:r])
+
+
+def pl_next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
 
 
 def combine(pair_out: jax.Array, indices: jax.Array, shared: jax.Array) -> jax.Array:

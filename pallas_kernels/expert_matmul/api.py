@@ -1,0 +1,149 @@
+"""Dispatch for the routed-expert fp4 matmul (SPEC §6.2, §13: the experts' `linear()` with packed
+e2m1 weights and e8m0 scales per row and 32 columns).
+
+Two entry points, one kernel:
+  * `gather_matmul(x [R, K], w, s, expert [R])`: row r times expert[r]'s matrix (the MoE decode
+    path, one (token, expert) pair per row);
+  * `grouped_matmul(x [M, K], w, s, tiles)`: rows sorted by expert, cut into tiles of one expert
+    each by `grouped_tiles` (the prefill path).
+`implementation`: "reference" (jnp: widen the selected experts to bf16, then dot; reference.py),
+"pallas" (kernel_gpu: read packed fp4 + scales, widen inside the kernel), "auto" (the kernel on a
+GPU, the reference on CPU; pallas_kernels/_dispatch.py). A shape the kernel does not handle falls
+back to the reference with a logged warning; a TPU falls back the same way (no TPU kernel yet).
+Both give the same exact products with fp32 accumulation and one bf16 rounding; they may differ
+only in the order the products are summed (measured: benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels.expert_matmul import kernel_gpu
+from pallas_kernels.expert_matmul import reference as _ref
+
+logger = logging.getLogger(__name__)
+
+Implementation = Literal["auto", "reference", "pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles of the GPU kernel; None picks a default from the rows per tile.
+
+    block_n: output columns per program (power of 2 >= 16 dividing N).
+    block_k: reduction step (power of 2 >= 64 dividing K; 32-column scale groups stay whole).
+    num_warps, num_stages: Triton launch parameters.
+    """
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def resolved(self, rows: int, n: int, k: int) -> BlockSizes:
+        # few rows: the program streams weight bytes, so a narrow N block gives more programs to
+        # fill the SMs and a long K step keeps loads wide; many rows: square-ish MMA tiles.
+        # Defaults halve until they divide the shape (the kernel rejects what still does not).
+        block_n = self.block_n or _fit(64 if rows <= 16 else 128, n, 16)
+        block_k = self.block_k or _fit(256 if rows <= 16 else 64, k, 64)
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k)
+
+
+def _fit(block: int, size: int, smallest: int) -> int:
+    while block > smallest and size % block:
+        block //= 2
+    return block
+
+
+def _validate(x, w, s, what: str):
+    if x.ndim != 2:
+        raise ValueError(f"{what}: x must be [rows, K], got {x.shape=}")
+    if w.ndim != 3 or w.dtype not in (jnp.int8, jnp.uint8):
+        raise ValueError(f"{what}: w must be packed e2m1 int8 [E, N, K/2], got {w.shape=} {w.dtype=}")
+    k = x.shape[1]
+    if k % 32 or w.shape[2] * 2 != k:
+        raise ValueError(f"{what}: x has K={k}, w holds K={w.shape[2] * 2} (K must be a multiple of 32)")
+    if s.shape != (*w.shape[:2], k // 32):
+        raise ValueError(f"{what}: s must be e8m0 [E, N, K/32] = {(*w.shape[:2], k // 32)}, got {s.shape=}")
+
+
+def _kernel_or_none(x, w, s, te, row0, valid, rows, implementation, interpret, block_sizes):
+    """The kernel's output, or None when the reference must run (CPU / TPU / unsupported shape)."""
+    use_kernel, target = _resolve(implementation, None, interpret)
+    if not use_kernel:
+        return None
+    if target != "gpu":
+        logger.warning("expert_matmul: no %s kernel; using the reference", target)
+        return None
+    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1])
+    try:
+        return kernel_gpu.expert_matmul(
+            x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
+            num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret)
+    except NotImplementedError as e:
+        logger.warning("expert_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
+        return None
+
+
+def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *,
+                  implementation: Implementation = "auto", interpret: bool = False,
+                  block_sizes: BlockSizes | None = None) -> jax.Array:
+    """x bf16 [R, K] (act-quantised rows), w int8 [E, N, K/2], s e8m0 [E, N, K/32], expert int [R]
+    -> bf16 [R, N] = x[r] @ dequant(w[expert[r]])^T, fp32 accumulation."""
+    _validate(x, w, s, "gather_matmul")
+    r = x.shape[0]
+    if expert.shape != (r,):
+        raise ValueError(f"gather_matmul: expert must be [R={r}], got {expert.shape=}")
+    rows = 16  # tensor-core minimum; each tile's other 15 rows are padding (masked at the store)
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
+    ar = jnp.arange(r, dtype=jnp.int32)
+    out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
+                          implementation, interpret, block_sizes)
+    if out is None:
+        return _ref.gather_matmul(x, w, s, expert)
+    return out[:r]
+
+
+def grouped_tiles(indices: jax.Array, n_experts: int, tile_rows: int):
+    """Pairs -> expert-sorted rows cut into tiles of one expert each.
+
+    indices int [R] (the expert of each pair). Returns (order int [R]: sorted row i is pair
+    order[i], stable so pairs keep their order within an expert; tile_expert, tile_row0,
+    tile_valid int32 [T]) with T = min(R, (R + E * (c - 1)) // c) static, c = tile_rows: each
+    expert wastes less than one tile and every live tile holds >= 1 row; dead tiles have valid 0
+    and row0 R (pointing at the c rows of padding the caller appends)."""
+    r = indices.shape[0]
+    c = tile_rows
+    order = jnp.argsort(indices, stable=True)
+    counts = jnp.zeros((n_experts,), jnp.int32).at[indices].add(1)
+    starts = jnp.cumsum(counts) - counts
+    n_tiles = (counts + c - 1) // c
+    tile_end = jnp.cumsum(n_tiles)
+    max_tiles = min(r, (r + n_experts * (c - 1)) // c)
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    live = tile_expert < n_experts
+    e = jnp.minimum(tile_expert, n_experts - 1)
+    j = t - (tile_end[e] - n_tiles[e])
+    row0 = jnp.where(live, starts[e] + j * c, r).astype(jnp.int32)
+    valid = jnp.where(live, jnp.clip(counts[e] - j * c, 0, c), 0).astype(jnp.int32)
+    return order, e, row0, valid
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Array, tile_row0: jax.Array,
+                   tile_valid: jax.Array, rows_per_tile: int, *, implementation: Implementation = "auto",
+                   interpret: bool = False, block_sizes: BlockSizes | None = None) -> jax.Array:
+    """x bf16 [M, K] sorted by expert with M >= max(tile_row0) + rows_per_tile (pad with zero
+    rows); tiles from `grouped_tiles` -> bf16 [M, N]: row i of tile t is x[i] @ dequant(w[e_t])^T.
+    Rows no live tile covers are 0 on the reference path and undefined on the kernel path."""
+    _validate(x, w, s, "grouped_matmul")
+    out = _kernel_or_none(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile, implementation, interpret,
+                          block_sizes)
+    if out is None:
+        return _ref.grouped_matmul(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile)
+    return out

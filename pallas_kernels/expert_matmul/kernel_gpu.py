@@ -1,0 +1,117 @@
+"""Pallas GPU (Triton lowering) kernel: tiles of bf16 rows times one routed expert's packed fp4
+matrix each, widened inside the kernel (never in HBM).
+
+One program per (tile, N block). A tile is up to `rows` consecutive rows of x that all use one
+expert (the MoE's gather path: one (token, expert) pair per tile; the grouped path: rows sorted by
+expert). The program reads its tile's expert id, first row and row count from three int32 arrays,
+then walks K in blocks: loads the packed bytes [block_n, block_k/2] and the e8m0 bytes
+[block_n, block_k/32] of that expert, decodes e2m1 codes arithmetically (no table), multiplies by
+the power-of-two scale in fp32 (exact), rounds to bf16 (exact: <= 4 significant bits) and feeds
+the tensor cores with the x rows [rows, block_k]. fp32 accumulation, one bf16 rounding, a masked
+store of the tile's valid rows. A dead tile (0 rows) stores nothing.
+
+Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
+(dequantise to bf16, one dot) only in the order the fp32 products are added.
+Scales: byte 0 is 2^-127 (an fp32 subnormal) and 0xff NaN, as `quant.e8m0_to_f32`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _e2m1_f32(code: jax.Array) -> jax.Array:
+    """int32 codes 0..15 -> fp32 e2m1 values. Magnitude codes 2..7 are (1 + m/2) * 2^(e-1) with
+    e = code >> 1, m = code & 1: their fp32 bits are ((e + 126) << 23) | (m << 22); code 1 is 0.5,
+    code 0 is 0; bit 3 is the sign (so code 8 is -0)."""
+    mag = code & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = jnp.where(mag >= 2, normal, jnp.where(mag == 1, jnp.int32(126 << 23), jnp.int32(0)))
+    bits = bits | ((code & 8) << 28)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _e8m0_f32(b: jax.Array) -> jax.Array:
+    """int32 bytes 0..255 -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
+    bits = jnp.where(b == 0, jnp.int32(1 << 22), jnp.where(b == 255, jnp.int32(0x7FC00000), b << 23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: int, block_n: int,
+            block_k: int, n_kblocks: int):
+    # te/row0/valid_ref [T] int32; x_ref [M, K] bf16; w_ref [E, N, K/2] int8; s_ref [E, N, K/32] uint8
+    # o_ref [M, N] bf16 (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n))
+    t = pl.program_id(0)
+    n0 = pl.program_id(1) * block_n
+    e = te_ref[t]
+    row0 = row0_ref[t]
+    valid = valid_ref[t]
+    kp, ks = block_k // 2, block_k // 32
+
+    @pl.when(valid > 0)
+    def _():
+        def body(j, acc):
+            xb = x_ref[pl.ds(row0, rows), pl.ds(j * block_k, block_k)]  # [rows, bk] bf16
+            packed = w_ref[e, pl.ds(n0, block_n), pl.ds(j * kp, kp)].astype(jnp.int32) & 0xFF  # [bn, bk/2]
+            sb = s_ref[e, pl.ds(n0, block_n), pl.ds(j * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
+            lo = _e2m1_f32(packed & 0xF)  # even columns
+            hi = _e2m1_f32(packed >> 4)  # odd columns
+            v = jnp.stack([lo, hi], axis=-1).reshape(block_n, block_k)
+            sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 32)).reshape(block_n, block_k)
+            wb = (v * sf).astype(jnp.bfloat16)  # exact
+            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, n_kblocks, body, jnp.zeros((rows, block_n), jnp.float32))
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
+        cols = pl.ds(n0, block_n)
+        plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Array, tile_row0: jax.Array,
+                  tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
+                  num_stages: int, interpret: bool) -> jax.Array:
+    """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
+    tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
+
+    Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
+    m, k = x.shape
+    n_exp, n, k2 = w.shape
+    if x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
+    if not _pow2(rows) or rows < 16:
+        raise NotImplementedError(f"rows per tile must be a power of 2 >= 16 for tensor-core tiles, got {rows=}")
+    if not _pow2(block_n) or block_n < 16 or n % block_n:
+        raise NotImplementedError(f"block_n must be a power of 2 >= 16 dividing {n=}, got {block_n=}")
+    if not _pow2(block_k) or block_k < 64 or k % block_k:
+        raise NotImplementedError(f"block_k must be a power of 2 >= 64 dividing {k=}, got {block_k=}")
+    smem = num_stages * (rows * block_k * 2 + block_n * block_k // 2 + block_n * block_k // 32) + block_n * block_k * 2
+    if smem > _SMEM_LIMIT:
+        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
+                                  f"({rows=}, {block_n=}, {block_k=}, {num_stages=})")
+    if s.dtype != jnp.uint8:
+        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    t = tile_expert.shape[0]
+    kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731 (raw pointers)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        grid=(t, n // block_n),
+        in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k)), whole((n_exp, n, k2)),
+                  whole((n_exp, n, k // 32))],
+        out_specs=whole((m, n)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="expert_matmul_fp4",
+    )(tile_expert.astype(jnp.int32), tile_row0.astype(jnp.int32), tile_valid.astype(jnp.int32), x, w, s)
