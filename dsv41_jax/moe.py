@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.numerics import cast, exact_div
-from dsv41_jax import expert_parallel, quant
+from dsv41_jax import quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear
 from pallas_kernels._dispatch import resolve as _resolve_kernel
@@ -259,16 +259,9 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
         """x [b, s, dim] bf16, image_mask [b, s] bool or None.
 
-        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]}).
-
-        Traced under an active mesh (`jax.set_mesh`) whose `expert` axis is > 1, the routed
-        experts run expert-parallel (`dsv41_jax.expert_parallel`), with the same values; there
-        `path` picks the communication pattern: "gather" -> "replicated", "grouped" ->
-        "all_to_all", "auto" by token count."""
+        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]})."""
         if path not in ("auto", "gather", "grouped"):
             raise ValueError(f"MoE path must be 'auto', 'gather' or 'grouped', got {path!r}")
-        ep_mesh = expert_parallel.active_expert_mesh()
-        ep_pattern = {"auto": "auto", "gather": "replicated", "grouped": "all_to_all"}[path]
         shape = x.shape
         x = x.reshape(-1, self.dim)
         n, k = x.shape[0], self.topk
@@ -277,13 +270,8 @@ class MoE(nnx.Module):
             path = "gather" if n * k <= self.gather_max_pairs else "grouped"
         # act_quant works per token, so each token is quantised once for all of its experts
         xq = _quantise_input(x, self.experts.dtype)
-        if ep_mesh is not None:
-            pair_out = expert_parallel.routed_pairs(
-                self.experts, xq, weights, indices, mesh=ep_mesh, pattern=ep_pattern, tile_rows=self.tile_rows,
-                gather_max_pairs=self.gather_max_pairs)
-        else:
-            route = self._routed_gather if path == "gather" else self._routed_grouped
-            pair_out = route(xq, weights, indices)
+        route = self._routed_gather if path == "gather" else self._routed_grouped
+        pair_out = route(xq, weights, indices)
         y = combine(pair_out.reshape(n, k, self.dim), indices, self.shared_experts(x))
         return y.reshape(shape), {"route_idx": indices, "route_w": weights}
 
