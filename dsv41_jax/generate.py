@@ -8,26 +8,50 @@ Compilation: one prefill program per (batch, prompt bucket) and one decode progr
 (batch, sampling settings). Prompts are right-padded to a bucket (powers of two from 16, capped at
 max_seq_len) so a new prompt length usually reuses a program; each row keeps its own position, so
 a row's tokens equal those of running it alone.
+
+Meshes: `Generator(model, mesh=mesh)` places the state by the sharding rules (a no-op for a model
+restored onto that mesh by `load_converted`), creates the cache already split over `data` (a jit
+with out_shardings, so no device ever holds the whole cache), feeds every input with its
+`dsv41_jax.sharding.ACTIVATION_AXES` sharding and traces and runs prefill and decode under
+`jax.set_mesh(mesh)`, so the MoE sees the `expert` axis (expert parallelism when it is > 1). A
+batch that is not a multiple of the `data` axis is padded with one-token rows that are dropped
+from the output (`pad_batch=False`: raise instead). Sampled tokens come back replicated, so every
+process of a multi-host run reads them from its own devices.
+
+The command line runs on a mesh always: `--mesh expert=4,data=2` (it must use every device), by
+default `sharding.default_mesh_spec` over all devices. Multi-host (`--distributed`): "auto"
+(default) calls `jax.distributed.initialize()` before touching a device when the environment names
+a coordinator (JAX_COORDINATOR_ADDRESS) or is a multi-process SLURM / Open MPI / GKE TPU job
+(`distributed_environment`); "on" always calls it (jax detects the cluster itself, e.g. on Cloud
+TPU pods), "off" never. Only process 0 prints and writes --logits-out.
+`--plan` prints the memory plan of `dsv41_jax.plan` instead of generating.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv41_jax import sharding as shd
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ConfigError, ModelArgs
 from dsv41_jax.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
 
@@ -58,32 +82,130 @@ class GenerateOutput:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
 
 
+def _state_path(path) -> str:
+    """'layers.3.attn.wq_a.weight' from a pytree path into an nnx.State (its last key is `.value`)."""
+    keys = [k for k in path if not isinstance(k, jax.tree_util.GetAttrKey)]
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def place_state(state, args: ModelArgs, mesh: Mesh, rules: shd.Rules = shd.DEFAULT_RULES):
+    """The nnx.State of `Transformer(args)` with every array on its rule sharding over `mesh`
+    (arrays already there are not copied)."""
+    specs = shd.state_partition_specs(args, mesh, rules)
+
+    def put(path, x):
+        name = _state_path(path)
+        if name not in specs:
+            raise shd.ShardingError(f"model state {name!r} has no sharding rule (not a Variable of Transformer(args))")
+        target = NamedSharding(mesh, specs[name])
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        return jax.device_put(x, target)
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A global array as numpy on every process (gathered across hosts when not all local)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 class Generator:
     """Holds a model split into (graphdef, state) and its compiled prefill / decode programs.
+
+    mesh: run on this mesh (axes `sharding.MESH_AXES`): the state is placed by `rules`, the cache
+    and inputs are split over `data`, and the programs are traced under the mesh. None: the
+    arrays stay where they are (one device).
+    pad_batch: on a mesh, pad a batch to a multiple of the `data` axis (True) or raise (False).
 
     `traces` counts how often each program was traced (= compiled): a test pins that decode
     compiles once however many steps run.
     """
 
-    def __init__(self, model, *, max_seq_len: int | None = None, reference_compat: bool = False):
+    def __init__(self, model, *, max_seq_len: int | None = None, reference_compat: bool = False,
+                 mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES, pad_batch: bool = True):
         self.args: ModelArgs = model.args
         self.max_seq_len = max_seq_len or self.args.max_seq_len
         self.reference_compat = reference_compat
+        self.mesh = mesh
+        self.rules = rules
+        self.pad_batch = pad_batch
         self.graphdef, self.state = nnx.split(model)
         self.traces = {"prefill": 0, "decode": 0}
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5,))
+        if mesh is None:
+            self.data = 1
+            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))
+            self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6))
+            self._init_cache = lambda b: init_cache(self.args, b, self.max_seq_len)
+            self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3))
+            return
+        if tuple(mesh.axis_names) != shd.MESH_AXES:
+            raise shd.ShardingError(f"Generator mesh has axes {tuple(mesh.axis_names)}; expected {shd.MESH_AXES} "
+                                    "(build it with dsv41_jax.sharding.make_mesh)")
+        sizes = shd.mesh_axis_sizes(mesh)
+        shd.check_mesh_sizes(sizes, self.args)
+        self.data = sizes["data"]
+        self.state = place_state(self.state, self.args, mesh, rules)
+        # shardings do not depend on the batch once it is a multiple of `data` (checked per call)
+        cache_sh = shd.cache_shardings(self.args, self.data, self.max_seq_len, mesh, rules)
+        logits_sh = shd.activation_sharding("logits", (self.data, self.args.vocab_size), mesh, rules)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6),
+                               out_shardings=(replicated, logits_sh, cache_sh))
+        self._init_cache = jax.jit(lambda b: init_cache(self.args, b, self.max_seq_len), static_argnums=(0,),
+                                   out_shardings=cache_sh)
+        self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3), out_shardings=replicated)
+
+    def _mesh_context(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _put(self, name: str, x: np.ndarray) -> jax.Array:
+        """A host array (the same on every process) as a global array with its activation sharding."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        sharding = shd.activation_sharding(name, x.shape, self.mesh, self.rules)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    def _key_data(self, key: jax.Array | None, step: int):
+        """(raw uint32 key data of fold_in(key, step) on the host, key impl) or (None, None): plain
+        host data, so the key reaches the programs the same way on every process."""
+        if key is None:
+            return None, None
+        return np.asarray(jax.random.key_data(jax.random.fold_in(key, step))), jax.random.key_impl(key)
+
+    @staticmethod
+    def _wrap_key(key_data, impl):
+        return None if key_data is None else jax.random.wrap_key_data(key_data, impl=impl)
+
+    def _sample_impl(self, logits, key_data, impl, params: SamplingParams):
+        return sample(logits, self._wrap_key(key_data, impl), params)
 
     def _prefill_impl(self, state, ids, lengths, cache):
         self.traces["prefill"] += 1
         model = nnx.merge(self.graphdef, state)
         return model.prefill(ids, lengths, cache)
 
-    def _decode_impl(self, state, tokens, pos, cache, key, params: SamplingParams):
+    def _decode_impl(self, state, tokens, pos, cache, key_data, impl, params: SamplingParams):
         self.traces["decode"] += 1
         model = nnx.merge(self.graphdef, state)
         logits, cache = model.decode_step(tokens, pos, cache, reference_compat=self.reference_compat)
-        return sample(logits, key, params), logits, cache
+        return sample(logits, self._wrap_key(key_data, impl), params), logits, cache
+
+    def _padded_batch(self, prompts: list[list[int]]) -> list[list[int]]:
+        extra = -len(prompts) % self.data
+        if not extra:
+            return prompts
+        if not self.pad_batch:
+            raise shd.ShardingError(
+                f"a batch of {len(prompts)} rows is not a multiple of the mesh's data axis ({self.data}); "
+                "pass a multiple, or pad_batch=True to pad it with dropped one-token rows")
+        log.info("padding a batch of %d rows to %d (a multiple of the data axis)", len(prompts), len(prompts) + extra)
+        return prompts + [[0]] * extra
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(),
                  key: jax.Array | None = None, eos_ids: tuple[int, ...] = (), return_logits: bool = False
@@ -92,6 +214,7 @@ class Generator:
         a = self.args
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        n_rows = len(prompts)
         lengths = np.asarray([len(p) for p in prompts], np.int32)
         if lengths.max() >= self.max_seq_len:
             raise ValueError(f"prompt of {lengths.max()} tokens does not fit max_seq_len={self.max_seq_len} "
@@ -102,77 +225,93 @@ class Generator:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {a.vocab_size})")
         if params.temperature > 0 and key is None:
             key = jax.random.key(0)
+        prompts = self._padded_batch(prompts)
+        lengths = np.asarray([len(p) for p in prompts], np.int32)
         b = len(prompts)
         s = prompt_bucket(int(lengths.max()), self.max_seq_len)
         ids = np.zeros((b, s), np.int32)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
         steps = int(min(max_new_tokens, self.max_seq_len - lengths.max()))
-        cache = init_cache(a, b, self.max_seq_len)
 
-        t0 = time.perf_counter()
-        logits, cache = self._prefill(self.state, jnp.asarray(ids), jnp.asarray(lengths), cache)
-        step_key = None if key is None else jax.random.fold_in(key, 0)
-        tok = sample(logits, step_key, params)
-        tok.block_until_ready()
-        t_prefill = time.perf_counter() - t0
-
-        out = np.full((b, steps), -1, np.int32)
-        all_logits = [] if return_logits else None
-        done = np.zeros(b, bool)
-        n = np.zeros(b, np.int32)
-        pos = jnp.asarray(lengths)
-        step_seconds = []
-        for t in range(steps):
-            tok_np = np.asarray(tok)
-            live = ~done
-            out[live, t] = tok_np[live]
-            n[live] += 1
-            if return_logits:
-                all_logits.append(np.asarray(logits, np.float32))
-            done |= np.isin(tok_np, np.asarray(eos_ids, np.int32)) if eos_ids else False
-            if done.all() or t == steps - 1:
-                break
-            t1 = time.perf_counter()
-            step_key = None if key is None else jax.random.fold_in(key, t + 1)
-            tok, logits, cache = self._decode(self.state, tok, pos, cache, step_key, params)
+        with self._mesh_context():
+            cache = self._init_cache(b)
+            t0 = time.perf_counter()
+            logits, cache = self._prefill(self.state, self._put("ids", ids), self._put("lengths", lengths), cache)
+            tok = self._sample(logits, *self._key_data(key, 0), params)
             tok.block_until_ready()
-            step_seconds.append(time.perf_counter() - t1)
-            pos = pos + 1
+            t_prefill = time.perf_counter() - t0
+
+            out = np.full((b, steps), -1, np.int32)
+            all_logits = [] if return_logits else None
+            done = np.arange(b) >= n_rows  # padding rows are finished from the start
+            n = np.zeros(b, np.int32)
+            pos = lengths.copy()
+            step_seconds = []
+            for t in range(steps):
+                tok_np = np.asarray(tok)
+                live = ~done
+                out[live, t] = tok_np[live]
+                n[live] += 1
+                if return_logits:
+                    all_logits.append(_to_host(logits).astype(np.float32)[:n_rows])
+                done |= np.isin(tok_np, np.asarray(eos_ids, np.int32)) if eos_ids else False
+                if done.all() or t == steps - 1:
+                    break
+                t1 = time.perf_counter()
+                tok, logits, cache = self._decode(self.state, tok, self._put("pos", pos), cache,
+                                                  *self._key_data(key, t + 1), params)
+                tok.block_until_ready()
+                step_seconds.append(time.perf_counter() - t1)
+                pos = pos + 1
+        n = n[:n_rows]
         n_steps = int(n.max()) if steps else 0
         return GenerateOutput(
-            tokens=out[:, :n_steps], lengths=n,
+            tokens=out[:n_rows, :n_steps], lengths=n,
             logits=np.stack(all_logits) if return_logits and all_logits else None,
-            prefill_seconds=t_prefill, step_seconds=step_seconds, prompt_tokens=int(lengths.sum()),
+            prefill_seconds=t_prefill, step_seconds=step_seconds, prompt_tokens=int(lengths[:n_rows].sum()),
         )
 
 
 # ------------------------------------------------------------------------------------------- CLI
 
 
-def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size: int):
-    """A model from a dsv41-convert output directory (restored sharded on the default mesh), or from
-    a hub-format directory (config.json or inference/config.json + safetensors shards, plus
-    engram_map.npy when the config has Engram layers; every weight loaded on the host: for tiny and
+def _is_converted(d: Path) -> bool:
+    # golden sets carry a manifest.json too; a hub index makes a directory hub-format
+    return not (d / "model.safetensors.index.json").exists() and (d / "manifest.json").exists()
+
+
+def checkpoint_args(ckpt: str | os.PathLike, **overrides) -> ModelArgs:
+    """The ModelArgs of a dsv41-convert output or hub-format directory (config only, no weights)."""
+    d = Path(ckpt)
+    if not d.is_dir():
+        raise FileNotFoundError(f"--ckpt {d}: not a directory")
+    if _is_converted(d):
+        return ModelArgs.from_json(d / "config.json", **overrides)
+    cfg = d / "config.json" if (d / "config.json").exists() else d / "inference" / "config.json"
+    if not cfg.exists():
+        raise FileNotFoundError(f"--ckpt {d}: no config.json or inference/config.json")
+    return ModelArgs.from_json(cfg, **overrides)
+
+
+def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size: int, mesh: Mesh | None = None):
+    """A model from a dsv41-convert output directory (restored straight into its shardings on
+    `mesh`, default `sharding.default_mesh_spec` over all devices), or from a hub-format directory
+    (config.json or inference/config.json + safetensors shards, plus engram_map.npy when the config
+    has Engram layers; every weight loaded on the host, then placed by `Generator`: for tiny and
     test checkpoints)."""
     from dsv41_jax.loading import load_hub_weights
     from dsv41_jax.model import Transformer
     from dsv41_jax.parity import NOT_IN_TEXT_MODEL
 
     d = Path(ckpt)
-    if not d.is_dir():
-        raise FileNotFoundError(f"--ckpt {d}: not a directory")
-    if not (d / "model.safetensors.index.json").exists() and (d / "manifest.json").exists():
-        # a dsv41-convert output: restore it sharded
+    args = checkpoint_args(d, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    if _is_converted(d):
         from dsv41_jax.checkpoint_io import load_converted
 
-        return load_converted(d, max_seq_len=max_seq_len, max_batch_size=max_batch_size)[0]
-    cfg = d / "config.json" if (d / "config.json").exists() else d / "inference" / "config.json"
-    if not cfg.exists():
-        raise FileNotFoundError(f"--ckpt {d}: no config.json or inference/config.json")
+        return load_converted(d, mesh, max_seq_len=max_seq_len, max_batch_size=max_batch_size)[0]
     if not (d / "model.safetensors.index.json").exists():
         raise FileNotFoundError(f"--ckpt {d}: no model.safetensors.index.json (expected a hub-format checkpoint)")
-    args = ModelArgs.from_json(cfg, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     model = Transformer(args)
     load_hub_weights(model, d, skip=NOT_IN_TEXT_MODEL)
     if args.engram_layer_ids:
@@ -185,6 +324,49 @@ def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size:
                 "(the compressed-token map; build it from tokenizer.json with the converter)")
         model.token_map.set_value(jnp.asarray(prepare_token_map(np.load(emap), args)))
     return model
+
+
+# ------------------------------------------------------------------------------------ multi-host
+
+
+def distributed_environment(env: Mapping[str, str] | None = None) -> str | None:
+    """What in the environment asks for a multi-process run (its name), or None.
+
+    A coordinator address (JAX_COORDINATOR_ADDRESS), or a multi-process job of a launcher that
+    `jax.distributed.initialize()` detects by itself: SLURM (srun with more than one task), Open
+    MPI (mpirun, more than one rank), GKE TPU (TPU_WORKER_HOSTNAMES with more than one host).
+    Cloud TPU VMs without those variables need `--distributed on` (jax then asks the metadata
+    server)."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+
+    def more_than_one(name: str) -> bool:
+        value = env.get(name, "")
+        return value.isdigit() and int(value) > 1
+
+    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")) \
+            and more_than_one("SLURM_NTASKS"):
+        return "SLURM"
+    if "OMPI_MCA_orte_hnp_uri" in env and more_than_one("OMPI_COMM_WORLD_SIZE"):
+        return "Open MPI"
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
+        return "GKE TPU"
+    return None
+
+
+def init_distributed(mode: str = "auto", env: Mapping[str, str] | None = None) -> bool:
+    """Calls `jax.distributed.initialize()` for mode "on", or for "auto" when
+    `distributed_environment` finds a multi-process setting; must run before any device is used.
+    Returns whether it initialised."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"--distributed {mode!r}: expected auto, on or off")
+    found = distributed_environment(env) if mode == "auto" else None
+    if mode == "off" or (mode == "auto" and found is None):
+        return False
+    log.info("jax.distributed.initialize() (%s)", found or "--distributed on")
+    jax.distributed.initialize()
+    return True
 
 
 def _prompts_from_args(ns) -> tuple[list[list[int]], object]:
@@ -211,7 +393,7 @@ def _prompts_from_args(ns) -> tuple[list[list[int]], object]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsv41-generate", description="Generate text with DeepSeek V4.1 in JAX.")
-    p.add_argument("--ckpt", required=True, help="dsv41-convert output directory, or a (tiny) hub-format checkpoint")
+    p.add_argument("--ckpt", help="dsv41-convert output directory, or a (tiny) hub-format checkpoint")
     p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
     p.add_argument("--tokenizer", help="path to tokenizer.json")
     p.add_argument("--prompt-ids", help="JSON list of lists of token ids, one list per batch row")
@@ -225,17 +407,48 @@ def main(argv=None) -> int:
     p.add_argument("--reference-compat", action="store_true",
                    help="reproduce the official decode's index-key hand-off (SPEC §21) instead of the consistent one")
     p.add_argument("--logits-out", help="write tokens [B, steps] and logits [steps, B, V] float32 to this .npz")
+    p.add_argument("--mesh", help="device mesh, e.g. expert=4,data=2 (axes data, expert, tensor; must use every "
+                                  "device; default: expert = gcd(devices, routed experts), the rest data)")
+    p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
+                   help="call jax.distributed.initialize(): auto = when the environment names a coordinator or "
+                        "is a multi-process SLURM / Open MPI / GKE TPU job")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan per device for --mesh, --max-seq-len, --batch and exit")
+    p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")
+    p.add_argument("--config", help="with --plan: config.json (default: --ckpt's, else the released config)")
     ns = p.parse_args(argv)
+    if ns.plan:
+        from dsv41_jax import plan
+
+        try:
+            # --config wins; else the checkpoint's config; else the released config
+            args = checkpoint_args(ns.ckpt) if ns.ckpt and not ns.config else plan.load_config(ns.config)
+            print(plan.format_plan(plan.memory_plan(args, ns.mesh or plan.DEFAULT_PLAN_MESH, ns.max_seq_len,
+                                                    ns.batch)))
+        except (ValueError, FileNotFoundError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
+        if not ns.ckpt:
+            raise ValueError("--ckpt is required (except with --plan)")
         prompts, tokenizer = _prompts_from_args(ns)
         params = SamplingParams(ns.temperature, ns.top_k, ns.top_p)
-        model = load_for_generate(ns.ckpt, ns.max_seq_len, max(1, len(prompts)))
-        gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat)
+        init_distributed(ns.distributed)
+        batch = max(1, len(prompts))
+        args = checkpoint_args(ns.ckpt, max_seq_len=ns.max_seq_len, max_batch_size=batch)
+        mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)
+        model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh)
+        gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat, mesh=mesh)
         res = gen.generate(prompts, ns.max_new_tokens, params, jax.random.key(ns.seed), tuple(ns.eos_id),
                            return_logits=bool(ns.logits_out))
     except (ValueError, FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if jax.process_index() != 0:
+        return 0
+    print(f"mesh: {shd.format_mesh_spec(shd.mesh_axis_sizes(mesh))} over {mesh.devices.size} "
+          f"{mesh.devices.flat[0].platform} devices, {jax.process_count()} process(es)")
     for i, row in enumerate(res.completions()):
         text = f" {tokenizer.decode(row)!r}" if tokenizer is not None else ""
         print(f"[{i}] {row}{text}")

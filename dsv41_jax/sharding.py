@@ -20,10 +20,17 @@ Default layout (`DEFAULT_RULES`):
   * everything else (attention, norms, router, shared expert, embedding, head) replicated:
     attention runs data-parallel and heads are not split.
 
+Caches and activations carry logical axes too (`CACHE_AXES`, `ACTIVATION_AXES`): every array of
+`dsv41_jax.cache.init_cache` has "batch" first, so a cache is split over `data` by rows and each
+data replica holds the whole sequence of its rows (windows, compressed rows, Engram history).
+`cache_shardings` gives the NamedSharding tree of a cache for a mesh, used to create it sharded
+(jit with out_shardings); `activation_sharding` the one of a generation input or output.
+
 A dim whose size the rule's mesh axes do not divide keeps the longest prefix of those axes that
 does divide it (possibly none: replicated) and logs a warning naming the array; `strict=True`
 raises instead. (The released Engram table of layer 14 has 384,016,682 = 2 x prime rows, so it
-cannot be split 4 or 8 ways without padding its rows.)
+cannot be split 4 or 8 ways as shipped: dsv41-convert pads every table's rows to a multiple of the
+split on the requested mesh, `ModelArgs.engram_rows_multiple`, so the rule applies in full.)
 """
 
 from __future__ import annotations
@@ -43,11 +50,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dsv41_jax.config import ModelArgs
 
 __all__ = [
+    "ACTIVATION_AXES",
+    "CACHE_AXES",
     "DEFAULT_RULES",
     "MESH_AXES",
     "PARAM_AXES",
     "Rules",
     "ShardingError",
+    "activation_sharding",
+    "cache_partition_specs",
+    "cache_shardings",
     "check_mesh_sizes",
     "default_mesh_spec",
     "format_mesh_spec",
@@ -108,6 +120,26 @@ _PARAM_AXES_RE = tuple((re.compile(p), axes) for p, axes in PARAM_AXES)
 
 # Non-parameter state of the model (input artifacts) -> logical axes.
 _STATE_AXES: dict[str, tuple[str, ...]] = {"token_map": ("raw_vocab",)}
+
+# Cache arrays (dsv41_jax/cache.py, keyed by the leaf's name in the cache dict) -> logical axes.
+CACHE_AXES: dict[str, tuple[str, ...]] = {
+    "seq_len": ("batch",),                                      # int32 [B]
+    "window_kv": ("batch", "cache_window", "kv"),               # bf16 [B, window, hd]
+    "compress_kv": ("batch", "cache_rows", "kv"),               # bf16 [B, T // r, hd]
+    "index_k": ("batch", "cache_rows", "index_dim"),            # bf16 [B, T // r, ihd]
+    "kv_state": ("batch", "compress_slot", "kv"),               # f32 [B, r, hd]
+    "score_state": ("batch", "compress_slot", "kv"),            # f32 [B, r, hd]
+    "engram_history": ("batch", "cache_seq"),                   # int32 [B, T]
+}
+
+# Inputs and outputs of generation (dsv41_jax/generate.py) -> logical axes.
+ACTIVATION_AXES: dict[str, tuple[str, ...]] = {
+    "ids": ("batch", "seq"),        # int32 [B, S] right-padded prompts
+    "lengths": ("batch",),          # int32 [B]
+    "tokens": ("batch",),           # int32 [B] one token per row (decode input, sampled output)
+    "pos": ("batch",),              # int32 [B]
+    "logits": ("batch", "vocab"),   # f32 [B, V]
+}
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -236,6 +268,8 @@ def make_mesh(spec: str | Mapping[str, int], *, args: ModelArgs | None = None,
     the experts.
     """
     sizes = parse_mesh_spec(spec) if isinstance(spec, str) else parse_mesh_spec(format_mesh_spec(spec))
+    if args is not None:  # first: a mesh that cannot hold whole experts is wrong on any machine
+        check_mesh_sizes(sizes, args)
     devices = list(jax.devices() if devices is None else devices)
     total = math.prod(sizes.values())
     if total != len(devices):
@@ -247,8 +281,6 @@ def make_mesh(spec: str | Mapping[str, int], *, args: ModelArgs | None = None,
             f"mesh {format_mesh_spec(sizes)} needs {total} devices, but {len(devices)} "
             f"{devices[0].platform if devices else ''} devices are available{hint}"
         )
-    if args is not None:
-        check_mesh_sizes(sizes, args)
     shape = tuple(sizes[a] for a in MESH_AXES)
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     try:
@@ -362,6 +394,62 @@ def state_partition_specs(args: ModelArgs, mesh: Mesh | Mapping[str, int], rules
 
 def named_shardings(specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, NamedSharding]:
     return {path: NamedSharding(mesh, spec) for path, spec in specs.items()}
+
+
+# ------------------------------------------------------------------------- caches, activations
+
+
+def _cache_leaf_name(path) -> str:
+    key = path[-1]
+    return str(getattr(key, "key", key))
+
+
+def _cache_path(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def cache_partition_specs(args: ModelArgs, batch: int, max_seq_len: int, mesh: Mesh | Mapping[str, int],
+                          rules: Rules = DEFAULT_RULES, *, strict: bool = False) -> dict[str, PartitionSpec]:
+    """{cache path: PartitionSpec} of `init_cache(args, batch, max_seq_len)` (paths like
+    "layers.2.compress_kv"), from shapes only (`jax.eval_shape`). Raises ShardingError for a
+    cache array without a row in CACHE_AXES."""
+    return {_cache_path(path): spec for path, spec in
+            jax.tree_util.tree_flatten_with_path(_cache_spec_tree(args, batch, max_seq_len, mesh, rules, strict))[0]}
+
+
+def _cache_spec_tree(args, batch, max_seq_len, mesh, rules, strict):
+    from dsv41_jax.cache import init_cache
+
+    shapes = jax.eval_shape(lambda: init_cache(args, batch, max_seq_len))
+
+    def spec(path, a):
+        name = _cache_leaf_name(path)
+        if name not in CACHE_AXES:
+            raise ShardingError(f"cache array {_cache_path(path)!r} has no logical axes: add a row for "
+                                f"{name!r} to dsv41_jax.sharding.CACHE_AXES")
+        return logical_to_spec(CACHE_AXES[name], a.shape, mesh, rules, name=f"cache {_cache_path(path)}",
+                               strict=strict)
+
+    return jax.tree_util.tree_map_with_path(spec, shapes)
+
+
+def cache_shardings(args: ModelArgs, batch: int, max_seq_len: int, mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+                    strict: bool = True):
+    """NamedSharding tree with the structure of `init_cache(args, batch, max_seq_len)`, for
+    creating the cache sharded (`jax.jit(init, out_shardings=...)`) and keeping it so.
+
+    strict (default): raise ShardingError instead of replicating a dim the mesh cannot divide
+    (a batch that is not a multiple of the `data` axis)."""
+    specs = _cache_spec_tree(args, batch, max_seq_len, mesh, rules, strict)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def activation_sharding(name: str, shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+                        strict: bool = True) -> NamedSharding:
+    """NamedSharding of a generation input/output named in ACTIVATION_AXES (e.g. "ids")."""
+    if name not in ACTIVATION_AXES:
+        raise ShardingError(f"activation {name!r} has no logical axes; known: {sorted(ACTIVATION_AXES)}")
+    return NamedSharding(mesh, logical_to_spec(ACTIVATION_AXES[name], shape, mesh, rules, name=name, strict=strict))
 
 
 # ------------------------------------------------------------------------------------ json form
