@@ -59,6 +59,7 @@ __all__ = [
     "ShardingError",
     "activation_sharding",
     "cache_partition_specs",
+    "cache_path",
     "cache_shardings",
     "check_mesh_sizes",
     "default_mesh_spec",
@@ -73,6 +74,7 @@ __all__ = [
     "specs_from_json",
     "specs_to_json",
     "state_partition_specs",
+    "state_shapes",
 ]
 
 log = logging.getLogger(__name__)
@@ -362,6 +364,14 @@ def _abstract_state(args: ModelArgs, kind) -> dict[str, jax.ShapeDtypeStruct]:
     return out
 
 
+def state_shapes(args: ModelArgs) -> dict[str, jax.ShapeDtypeStruct]:
+    """{path: abstract array} of every Variable of `Transformer(args)` (params and the Engram
+    token map), from `nnx.eval_shape` (nothing allocated)."""
+    from flax import nnx
+
+    return _abstract_state(args, nnx.Variable)
+
+
 def param_logical_axes(args: ModelArgs) -> dict[str, tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
     """{param path: (logical axes, abstract array)} for every nnx.Param of `Transformer(args)`."""
     from flax import nnx
@@ -404,7 +414,8 @@ def _cache_leaf_name(path) -> str:
     return str(getattr(key, "key", key))
 
 
-def _cache_path(path) -> str:
+def cache_path(path) -> str:
+    """'layers.2.compress_kv' from a pytree path into a cache."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -413,7 +424,7 @@ def cache_partition_specs(args: ModelArgs, batch: int, max_seq_len: int, mesh: M
     """{cache path: PartitionSpec} of `init_cache(args, batch, max_seq_len)` (paths like
     "layers.2.compress_kv"), from shapes only (`jax.eval_shape`). Raises ShardingError for a
     cache array without a row in CACHE_AXES."""
-    return {_cache_path(path): spec for path, spec in
+    return {cache_path(path): spec for path, spec in
             jax.tree_util.tree_flatten_with_path(_cache_spec_tree(args, batch, max_seq_len, mesh, rules, strict))[0]}
 
 
@@ -425,9 +436,9 @@ def _cache_spec_tree(args, batch, max_seq_len, mesh, rules, strict):
     def spec(path, a):
         name = _cache_leaf_name(path)
         if name not in CACHE_AXES:
-            raise ShardingError(f"cache array {_cache_path(path)!r} has no logical axes: add a row for "
+            raise ShardingError(f"cache array {cache_path(path)!r} has no logical axes: add a row for "
                                 f"{name!r} to dsv41_jax.sharding.CACHE_AXES")
-        return logical_to_spec(CACHE_AXES[name], a.shape, mesh, rules, name=f"cache {_cache_path(path)}",
+        return logical_to_spec(CACHE_AXES[name], a.shape, mesh, rules, name=f"cache {cache_path(path)}",
                                strict=strict)
 
     return jax.tree_util.tree_map_with_path(spec, shapes)

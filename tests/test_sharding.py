@@ -1,8 +1,11 @@
-"""Mesh parsing, the rules table and the per-parameter PartitionSpecs pinned per mesh.
+"""Mesh parsing, the rules table and the per-parameter and per-cache-array PartitionSpecs pinned
+per mesh.
 
 The golden files tests/data/sharding/<config>__<mesh>.json hold every parameter's PartitionSpec,
-computed on real meshes of fake CPU devices in a subprocess (this pytest process has one device).
-Regenerate them after a deliberate layout change with `python tests/test_sharding.py --regen`.
+<config>__<mesh>__cache.json every cache array's (batch CACHE_BATCH, max_seq_len
+CACHE_SEQ[config]), computed on real meshes of fake CPU devices in a subprocess (this pytest
+process has one device). Regenerate them after a deliberate layout change with
+`python tests/test_sharding.py --regen`.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ CONFIGS = {
     "tiny-a": DATA / "golden" / "tiny-a" / "config.json",
     "released": DATA / "released_config.json",
 }
-CASES = [("tiny-a", "expert=8,data=1"), ("tiny-a", "data=2,expert=2,tensor=2"), ("released", "expert=8,data=1")]
+CASES = [("tiny-a", "expert=8,data=1"), ("tiny-a", "data=2,expert=2,tensor=2"), ("tiny-a", "expert=4,data=2"),
+         ("released", "expert=8,data=1")]
 N_FAKE_DEVICES = 8
+CACHE_BATCH = 8
+CACHE_SEQ = {"tiny-a": 64, "released": 65536}
 
 
-def _golden_path(config: str, mesh: str) -> Path:
+def _golden_path(config: str, mesh: str, kind: str = "") -> Path:
     sizes = shd.parse_mesh_spec(mesh)
-    return GOLDEN_DIR / f"{config}__{'-'.join(f'{a}{n}' for a, n in sizes.items())}.json"
+    return GOLDEN_DIR / f"{config}__{'-'.join(f'{a}{n}' for a, n in sizes.items())}{kind}.json"
 
 
 _CHILD = """
@@ -44,18 +50,22 @@ from dsv41_jax import sharding as shd
 from dsv41_jax.config import ModelArgs
 out = {}
 N_DEVICES = int(sys.argv[2])
-for key, config, mesh in json.loads(sys.argv[1]):
+for key, cache_key, config, mesh, batch, seq in json.loads(sys.argv[1]):
     args = ModelArgs.from_json(config)
     m = shd.make_mesh(mesh, args=args)
     assert len(m.devices.flat) == N_DEVICES and m.axis_names == shd.MESH_AXES
     out[key] = shd.specs_to_json(shd.param_partition_specs(args, m))
+    cache = shd.cache_shardings(args, batch, seq, m)
+    out[cache_key] = shd.specs_to_json(
+        {shd.cache_path(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(cache)[0]})
 print("SPECS " + json.dumps(out))
 """
 
 
 def _specs_on_fake_devices() -> dict[str, str]:
     """{golden file name: specs JSON} computed with real meshes over 8 fake CPU devices."""
-    cases = [(_golden_path(c, m).name, str(CONFIGS[c]), m) for c, m in CASES]
+    cases = [(_golden_path(c, m).name, _golden_path(c, m, "__cache").name, str(CONFIGS[c]), m, CACHE_BATCH,
+              CACHE_SEQ[c]) for c, m in CASES]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={N_FAKE_DEVICES}",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cases), str(N_FAKE_DEVICES)], cwd=REPO,
@@ -99,6 +109,36 @@ def test_golden_layouts_put_experts_on_the_expert_axis_and_replicate_attention()
     assert all(".ffn.experts." in p or ".engram.embed." in p for p in sharded)
 
 
+def test_golden_cache_layouts_split_every_cache_array_by_rows_over_data_only():
+    specs = json.loads(_golden_path("released", "expert=8,data=1", "__cache").read_text())
+    # seq_len + 40 window rings + 4 kv sources x (compress_kv, index_k) + 3 ratio-2 x (kv_state,
+    # score_state) + the Engram history
+    assert len(specs) == 1 + 40 + 4 * 2 + 3 * 2 + 1
+    assert all(s[0] == "data" and all(e is None for e in s[1:]) for s in specs.values())
+    assert specs["layers.20.compress_kv"] == ["data", None, None] and specs["engram_history"] == ["data", None]
+    tiny = json.loads(_golden_path("tiny-a", "expert=4,data=2", "__cache").read_text())
+    assert set(tiny) == set(shd.cache_partition_specs(ModelArgs.from_json(CONFIGS["tiny-a"]), 2, 64,
+                                                      {"data": 2, "expert": 4, "tensor": 1}))
+
+
+def test_cache_shardings_refuse_a_batch_the_data_axis_does_not_divide(tiny_a):
+    mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+    fake = {"data": 2, "expert": 1, "tensor": 1}
+    with pytest.raises(shd.ShardingError, match=r"cache engram_history: dim 0 \('batch', size 3\) is not divisible by mesh axes \('data',\)"):
+        shd.cache_partition_specs(tiny_a, 3, 64, fake, strict=True)
+    assert shd.cache_partition_specs(tiny_a, 3, 64, fake)["seq_len"] == jax.sharding.PartitionSpec(None)
+    sh = shd.cache_shardings(tiny_a, 3, 64, mesh)  # data=1 divides any batch
+    assert sh["layers"][2]["compress_kv"].spec == jax.sharding.PartitionSpec("data", None, None)
+
+
+def test_activation_shardings_put_the_batch_on_data():
+    mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+    assert shd.activation_sharding("ids", (4, 16), mesh).spec == jax.sharding.PartitionSpec("data", None)
+    assert shd.activation_sharding("logits", (4, 512), mesh).spec == jax.sharding.PartitionSpec("data", None)
+    with pytest.raises(shd.ShardingError, match="activation 'hidden' has no logical axes"):
+        shd.activation_sharding("hidden", (4,), mesh)
+
+
 # ------------------------------------------------------------------------------------- mesh spec
 
 
@@ -128,6 +168,9 @@ def test_make_mesh_rejects_an_expert_axis_that_does_not_divide_the_experts(tiny_
     devices = jax.devices()[:1] * 3  # the count matches; the expert check comes before placement
     with pytest.raises(shd.ShardingError, match=r"expert axis \(3\) must divide the number of routed experts \(8\)"):
         shd.make_mesh("expert=3", args=tiny_a, devices=devices)
+    # checked before the device count: the mesh is wrong on any machine
+    with pytest.raises(shd.ShardingError, match=r"expert axis \(3\) must divide"):
+        shd.make_mesh("expert=3", args=tiny_a, devices=jax.devices()[:1])
 
 
 def test_make_mesh_builds_all_three_axes_with_auto_types():
