@@ -1,0 +1,528 @@
+"""Full-width speed of a reduced-layer V4.1 stack on one GPU, against ceilings measured in the
+same run.
+
+    python -m benchmarks.model_speed --out DIR [--tiny] [--sections ...] [--paths fast,reference]
+
+The stack: the released config (tests/data/released_config.json) at full width (dim 5120, 64
+heads x 512, 384 routed experts top-6 + 1 shared, fp8 weights with e8m0 scales, packed fp4
+experts) cut to six layers, one per attention role:
+
+    0 window-only | 1 source ratio 2 | 2 reuse ratio 2 | 3 source ratio 1 (candidate source) |
+    4 reindex ratio 1 (masked to the candidates) | 5 reuse ratio 1
+
+Engram layers are omitted (engram_layer_ids = ()): their table lookups are a few KB per token
+and the released tables (2 x 110 GB) do not fit one GPU. No DSpark stages, no vision tower.
+Weights are random bits generated on the device by one jitted function per leaf shape, so
+nothing model-sized crosses the host; caches are seeded directly at the measured context (random
+KV and index keys, seq_len = context - 1) rather than by prefilling.
+
+Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_ceiling):
+  ceilings  HBM copy bandwidth (read + write of a multi-GB buffer), bf16 and fp8 GEMM FLOP/s
+  experts   the routed-expert GEMMs alone (one layer's 384 experts): XLA widen-then-dot vs the
+            Pallas fp4 kernel, with the fraction of bit-identical outputs and the max ulp
+  decode    one decode step of the whole stack (embed, 6 layers, head) per (batch, context)
+  layers    the same step as one jitted call per layer (per-layer time by role)
+  prefill   prefill of one prompt of S tokens (cache of S positions)
+Bytes and FLOPs come from `count_layer` (derivation in its docstring) and the parameter shapes.
+Rows are printed as they finish and the JSON is rewritten after every row, so a run stopped by
+a time limit keeps what it measured. `--paths fast,reference` times the same rows with
+kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and records the
+speed-up. `--tiny` runs the same script at tiny width on CPU (a bug check, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.cache import init_cache
+from dsv41_jax.config import ModelArgs
+from dsv41_jax.model import Transformer
+
+RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
+
+# one layer per attention role (see the module docstring)
+ROLES = ("window", "source r2", "reuse r2", "source r1 + candidates", "reindex r1", "reuse r1")
+_LAYOUT = dict(compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 4),
+               candidate_source_layer=3)
+_NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(), engram_layer_ids=(),
+                  engram_num_embeddings=(), vision_n_layers=0)
+
+
+def bench_args(tiny: bool, batch: int, context: int, kernels: str) -> ModelArgs:
+    """The six-layer stack at full released width (or tiny width for --tiny)."""
+    if tiny:
+        base = ModelArgs.tiny(**_NO_EXTRAS)
+        return base.replace(n_layers=6, max_batch_size=batch, max_seq_len=context, kernels=kernels, **_LAYOUT)
+    return ModelArgs.from_json(RELEASED, n_layers=6, max_batch_size=batch, max_seq_len=context, kernels=kernels,
+                               **_LAYOUT, **_NO_EXTRAS)
+
+
+# ----------------------------------------------------------------------------------- counting
+
+
+def _nbytes(leaf) -> int:
+    return int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+
+
+def _flat(state):
+    flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+    for path, var in flat:
+        leaf = var.get_value() if hasattr(var, "get_value") else getattr(var, "value", var)
+        if hasattr(leaf, "shape"):
+            yield [str(k) for k in path], leaf
+
+
+def param_bytes(args: ModelArgs) -> dict:
+    """From the abstract parameter shapes (nothing allocated): per layer the bytes of the routed
+    experts per expert, of everything else the layer reads each step ("dense": attention,
+    compressor, indexer, router, shared expert, norms, hyper-connections), and the elements of
+    the per-token linears outside the experts ("dense_elems"; packed fp4 bytes count twice);
+    plus embedding and head bytes."""
+    abstract = nnx.eval_shape(lambda: Transformer(args))
+    per_layer = [{"dense": 0, "experts": 0, "dense_elems": 0} for _ in range(args.n_layers)]
+    out = {"layers": [], "embed": 0, "head": 0}
+    for keys, leaf in _flat(nnx.state(abstract)):
+        b = _nbytes(leaf)
+        if keys[0] != "layers":
+            if keys[0] in out:
+                out[keys[0]] += b
+            continue
+        d = per_layer[int(keys[1])]
+        routed = keys[2:4] == ["ffn", "experts"]
+        d["experts" if routed else "dense"] += b
+        shared_expert = keys[2:4] == ["ffn", "shared_experts"]
+        if not routed and not shared_expert and len(leaf.shape) >= 2 and (keys[-1] == "weight" or keys[-1].endswith("_fn")):
+            n = int(np.prod(leaf.shape))
+            d["dense_elems"] += 2 * n if leaf.dtype == jnp.int8 else n
+    for i, d in enumerate(per_layer):
+        n_exp, _ = args.moe_experts(i)
+        out["layers"].append({"dense": d["dense"], "per_expert": d["experts"] / n_exp, "dense_elems": d["dense_elems"]})
+    return out
+
+
+def unique_experts(n_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts hit by `tokens` tokens routing to k of n uniformly at random
+    (random weights route near-uniformly): n * (1 - (1 - k/n)^tokens)."""
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+
+
+def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int, tokens_per_row: int = 1) -> tuple[float, float]:
+    """(bytes, flops) of one layer for one decode step of `batch` rows at `context`
+    (tokens_per_row=1), or a prefill of `tokens_per_row` tokens of one row (batch=1).
+
+    Bytes (decode; each operand read once, outputs written once, activations negligible):
+      * the layer's dense weights once (attention / compressor / indexer projections in their
+        stored dtypes, router, shared expert, norms, hyper-connection weights);
+      * the routed experts hit: unique_experts(E, k, batch * tokens) x bytes of one expert
+        (fp4 codes + e8m0 scales of w1, w2, w3); at batch 1, 6 experts;
+      * the cache: the window ring (B x window x hd bf16); at a layer that scores indices (kv
+        source or reindex) the index keys B x (T/r) x ihd bf16 (the decode scores the full
+        width); at a compressed layer the gathered top-k latent rows B x topk x hd bf16.
+    FLOPs: 2 x weight elements used per token (dense linears; k routed + the shared expert)
+      + indexer 2 x ih x ihd x (T/r) per scoring token + attention 4 x heads x hd x (window +
+      topk) per token. Prefill counts the causal half of the indexer's (S/r) keys per token.
+    At the released width and batch 1 this gives about 284 MB per layer (SPEC §19.3) with the
+    wo_a projection counted as stored (bf16 in this port: +33.5 MB against fp8)."""
+    a = args
+    lp = pb["layers"][layer]
+    n_exp, k = a.moe_experts(layer)
+    tokens = batch * tokens_per_row
+    r = a.compress_ratios[layer]
+    role = a.attn_role(layer)
+    scores = role in ("source", "reindex")
+    hd, ihd = a.head_dim, a.index_head_dim
+    # dense weight elements per token ~ bytes / bytes-per-element; routed: k experts of
+    # 3 x inter x dim each (fp4 bytes hold 2 per byte, which the element count undoes)
+    expert_elems = 3 * a.moe_inter_dim * a.dim
+    if prefill := tokens_per_row > 1:
+        keys = (context / r) / 2 if r else 0  # causal: on average half the compressed keys
+        attn_pos = min(a.window_size, context) + (min(a.index_topk, context // r) if r else 0)
+    else:
+        keys = context / r if r else 0
+        attn_pos = a.window_size + (a.index_topk if r else 0)
+    by = lp["dense"] + unique_experts(n_exp, k, tokens) * lp["per_expert"]
+    if not prefill:
+        by += batch * a.window_size * hd * 2
+        if scores:
+            by += batch * keys * ihd * 2
+        if r:
+            by += batch * a.index_topk * hd * 2
+    else:
+        by += tokens * a.dim * a.hc_mult * 2 * 2  # the hc stream in and out, bf16
+    dense_elems = lp["dense_elems"]
+    fl = tokens * (2 * dense_elems + 2 * (k + 1) * expert_elems + 4 * a.n_heads * hd * attn_pos)
+    if scores:
+        fl += tokens * 2 * a.index_n_heads * ihd * keys
+    return float(by), float(fl)
+
+
+# ------------------------------------------------------------------------------- on-device init
+
+
+def _random_leaf(key, shape, dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:  # packed e2m1 codes: every bit pattern is a valid pair of codes
+        return jax.random.bits(key, shape, jnp.uint8).view(jnp.int8)
+    if dtype == jnp.float8_e8m0fnu:  # power-of-two scales 2^-9 .. 2^-6, typical of real weights
+        return jax.lax.bitcast_convert_type(jax.random.randint(key, shape, 118, 122).astype(jnp.uint8), dtype)
+    if dtype == jnp.float8_e4m3fn:
+        return (jax.random.normal(key, shape, jnp.float32) * 64).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.zeros(shape, dtype)
+    return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+
+_random_leaf_jit = jax.jit(_random_leaf, static_argnums=(1, 2))
+
+
+def random_model(args: ModelArgs, seed: int = 0):
+    """(graphdef, state) with random weights made on the default device, leaf by leaf."""
+    abstract = nnx.eval_shape(lambda: Transformer(args))
+    graphdef, state = nnx.split(abstract)
+    leaves, treedef = jax.tree.flatten(state)
+    key = jax.random.key(seed)
+    out = []
+    for i, leaf in enumerate(leaves):
+        k = jax.random.fold_in(key, i)
+        out.append(_random_leaf_jit(k, tuple(leaf.shape), jnp.dtype(leaf.dtype)))
+    return graphdef, jax.tree.unflatten(treedef, out)
+
+
+@jax.jit
+def _fill_cache(cache, key):
+    def fill(path, x):
+        name = str(path[-1])
+        if "compress_kv" in name or "index_k" in name or "window_kv" in name:
+            k = jax.random.fold_in(key, hash(name) % 1000)
+            return (jax.random.normal(k, x.shape, jnp.float32) * 0.5).astype(x.dtype)
+        return x
+    return jax.tree_util.tree_map_with_path(fill, cache)
+
+
+def seeded_cache(args: ModelArgs, batch: int, context: int):
+    """A decode cache of `context` positions with every row holding context - 1 tokens."""
+    cache = jax.jit(lambda: init_cache(args, batch, context))()
+    cache = _fill_cache(cache, jax.random.key(1))
+    cache["seq_len"] = jnp.full((batch,), context - 1, jnp.int32)
+    return cache
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def timeit(fn, *, warmup: int = 2, iters: int = 10, repeats: int = 3) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls (one sync each)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+class Report:
+    def __init__(self, out: Path, meta: dict):
+        self.out, self.rows, self.meta = out, [], meta
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, **row):
+        self.rows.append(row)
+        self._print(row)
+        (self.out / "model_speed.json").write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1))
+
+    @staticmethod
+    def _print(r):
+        sec = r.get("seconds")
+        t = f"{sec * 1e6:10.1f} us" if isinstance(sec, float) else f"{'-':>13}"
+        frac = r.get("fraction_of_ceiling")
+        f = f"{frac:6.1%}" if isinstance(frac, float) else "     -"
+        extra = " ".join(f"{k}={v}" for k, v in r.items()
+                         if k not in ("name", "batch", "context", "seconds", "bytes", "flops", "fraction_of_ceiling"))
+        print(f"{r['name']:<34} b={r.get('batch', '-'):<4} ctx={r.get('context', '-'):<6} {t} "
+              f"{(r.get('bytes') or 0) / 1e6:10.1f} MB {(r.get('flops') or 0) / 1e9:10.2f} GF {f}  {extra}", flush=True)
+
+
+# ----------------------------------------------------------------------------------- sections
+
+
+def ceilings(rep: Report, tiny: bool) -> dict:
+    n = (1 << 20) if tiny else (1 << 30)  # 2 GiB of bf16 (read 2 GiB + write 2 GiB)
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda v: v + jnp.bfloat16(1))
+    t = timeit(lambda: f(x), iters=20)
+    bw = 2 * n * 2 / t
+    rep.add(name="ceiling hbm copy", batch=1, context=0, seconds=t, bytes=2 * n * 2, flops=0,
+            fraction_of_ceiling=1.0, bandwidth_GBps=round(bw / 1e9, 1))
+    del x
+    m = 512 if tiny else 8192
+    kx, kw = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(kx, (m, m), jnp.bfloat16)
+    b = jax.random.normal(kw, (m, m), jnp.bfloat16)
+    g = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t = timeit(lambda: g(a, b))
+    bf16 = 2 * m ** 3 / t
+    rep.add(name="ceiling bf16 gemm", batch=m, context=m, seconds=t, bytes=3 * m * m * 2, flops=2 * m ** 3,
+            fraction_of_ceiling=1.0, tflops=round(bf16 / 1e12, 1))
+    fp8 = None
+    try:
+        a8, b8 = a.astype(jnp.float8_e4m3fn), b.T.astype(jnp.float8_e4m3fn)
+        h = jax.jit(lambda p, q: jax.lax.dot_general(p, q, (((1,), (1,)), ((), ())),
+                                                     preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+        t = timeit(lambda: h(a8, b8))
+        fp8 = 2 * m ** 3 / t
+        rep.add(name="ceiling fp8 gemm", batch=m, context=m, seconds=t, bytes=2 * m * m + m * m * 2,
+                flops=2 * m ** 3, fraction_of_ceiling=1.0, tflops=round(fp8 / 1e12, 1))
+    except Exception as e:  # noqa: BLE001 - a backend without fp8 GEMMs reports it and goes on
+        rep.add(name="ceiling fp8 gemm", batch=m, context=m, seconds=None, bytes=0, flops=0,
+                fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+    return {"hbm": bw, "bf16": bf16, "fp8": fp8}
+
+
+def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0):
+    """The routed-expert GEMMs of one MoE (w1, w3, SwiGLU, w2) at `batches` tokens: XLA path vs
+    the Pallas kernel, same weights and routing; bit-identity of the two outputs."""
+    from dsv41_jax.moe import MoE
+
+    outs = {}
+    moes = {}
+    for path_name, kernels in (("reference", "reference"), ("fast", "pallas" if jax.default_backend() == "gpu" else "reference")):
+        a = args.replace(kernels=kernels, kernels_interpret=False)
+        abstract = nnx.eval_shape(lambda: MoE(0, a))
+        gd, st = nnx.split(abstract)
+        leaves, td = jax.tree.flatten(st)
+        key = jax.random.key(seed)
+        st = jax.tree.unflatten(td, [_random_leaf_jit(jax.random.fold_in(key, i), tuple(l.shape), jnp.dtype(l.dtype))
+                                     for i, l in enumerate(leaves)])
+        moes[path_name] = (gd, st)
+    per_expert = param_bytes(args)["layers"][0]["per_expert"]
+    n_exp, k = args.moe_experts(0)
+    for tokens in batches:
+        rng = np.random.default_rng(tokens)
+        idx = jnp.asarray(np.stack([rng.choice(n_exp, k, replace=False) for _ in range(tokens)]), jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 0.5, (tokens, k)), jnp.float32)
+        x = jax.random.normal(jax.random.key(tokens), (tokens, args.dim), jnp.bfloat16)
+        from dsv41_jax.moe import _quantise_input
+        xq = jax.jit(lambda v: _quantise_input(v, "fp4"))(x)
+        n_unique = len(np.unique(np.asarray(idx)))
+        by = n_unique * per_expert
+        fl = 2 * tokens * k * 3 * args.moe_inter_dim * args.dim
+        path = "gather" if tokens * k <= 64 else "grouped"
+        for name, (gd, st) in moes.items():
+            def run(st, xq, w, idx, gd=gd):
+                m = nnx.merge(gd, st)
+                return (m._routed_gather if path == "gather" else m._routed_grouped)(xq, w, idx)
+            f = jax.jit(run)
+            try:
+                t = timeit(lambda: f(st, xq, w, idx))
+                outs[name] = np.asarray(f(st, xq, w, idx))
+                rep.add(name=f"experts {path} {name}", batch=tokens, context=0, seconds=t, bytes=by, flops=fl,
+                        fraction_of_ceiling=by / t / ceil["hbm"], unique_experts=n_unique)
+            except Exception as e:  # noqa: BLE001
+                rep.add(name=f"experts {path} {name}", batch=tokens, context=0, seconds=None, bytes=by, flops=fl,
+                        fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        if "reference" in outs and "fast" in outs:
+            a_, b_ = outs["reference"].view(np.uint16).astype(np.int32), outs["fast"].view(np.uint16).astype(np.int32)
+            d = np.abs(a_ - b_)
+            rep.add(name="experts fast vs reference", batch=tokens, context=0, seconds=None, bytes=0, flops=0,
+                    fraction_of_ceiling=None, bit_identical=float(np.mean(d == 0)), max_ulp=int(d.max()))
+        outs.clear()
+
+
+def _decode_fn(graphdef):
+    def step(state, ids, pos, cache):
+        return nnx.merge(graphdef, state).decode_step(ids, pos, cache)
+    return jax.jit(step, donate_argnums=(3,))
+
+
+def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for):
+    for context in contexts:
+        for batch in batches:
+            for path in paths:
+                name = f"decode {path}"
+                kernels = "auto" if path == "fast" else "reference"
+                args = bench_args(tiny, batch, context, kernels)
+                pb = param_bytes(args)
+                counts = [count_layer(args, i, pb, batch, context) for i in range(args.n_layers)]
+                by = sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]  # embed rows, fp32 head
+                fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
+                try:
+                    graphdef, state = random_model(args)
+                    cache = seeded_cache(args, batch, context)
+                    ids = jnp.zeros((batch,), jnp.int32) + 7
+                    pos = cache["seq_len"]
+                    f = _decode_fn(graphdef)
+                    t0 = time.perf_counter()
+                    _, cache = f(state, ids, pos, cache)
+                    jax.block_until_ready(cache)
+                    compile_s = time.perf_counter() - t0
+                    holder = {"cache": cache}
+
+                    def call():
+                        logits, holder["cache"] = f(state, ids, pos, holder["cache"])
+                        return logits
+
+                    t = timeit(call, iters=5 if not tiny else 2)
+                    rep.add(name=name, batch=batch, context=context, seconds=t, bytes=by, flops=fl,
+                            fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
+                            tokens_per_s=round(batch / t, 1))
+                    if (batch, context, path) in layers_for:
+                        layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path)
+                    del holder, cache, state
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory at 256 x 64k: record, go on
+                    rep.add(name=name, batch=batch, context=context, seconds=None, bytes=by, flops=fl,
+                            fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    traceback.print_exc(limit=3)
+                _speedup(rep, f"decode", batch, context)
+
+
+def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path):
+    """Each Block.decode as its own jitted call (inputs from a chained run), timed alone."""
+    from dsv41_jax.mhc import identity_pre_mix
+
+    model = nnx.merge(graphdef, state)
+    b = ids.shape[0]
+    x = jax.jit(lambda st, i: nnx.merge(graphdef, st)._embed(i[:, None], None))(state, ids)
+    pre = identity_pre_mix(b, 1, args.hc_mult)
+    shared: dict = {}
+    layers = list(cache["layers"])
+    for i in range(args.n_layers):
+        blk_gd, blk_st = nnx.split(model.layers[i])
+
+        def run(st, x, pre, shared, c, pos, gd=blk_gd):
+            return nnx.merge(gd, st).decode(x, pre, shared, c, pos)
+
+        f = jax.jit(run, donate_argnums=(4,))
+        x2, pre2, shared2, c2, _ = f(blk_st, x, pre, shared, layers[i], pos)
+        holder = {"c": c2}
+
+        def call():
+            out = f(blk_st, x, pre, shared, holder["c"], pos)
+            holder["c"] = out[3]
+            return out[0]
+
+        t = timeit(call, iters=10)
+        by, fl = counts[i]
+        rep.add(name=f"layer {path} {i} {ROLES[i]}", batch=b, context=int(pos[0]) + 1, seconds=t, bytes=by, flops=fl,
+                fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm")
+        x, pre, shared, layers[i] = x2, pre2, shared2, holder["c"]
+
+
+def prefill_section(rep, ceil, tiny, lengths, paths):
+    for s in lengths:
+        for path in paths:
+            kernels = "auto" if path == "fast" else "reference"
+            args = bench_args(tiny, 1, s, kernels)
+            pb = param_bytes(args)
+            counts = [count_layer(args, i, pb, 1, s, tokens_per_row=s) for i in range(args.n_layers)]
+            by = sum(c[0] for c in counts)
+            fl = sum(c[1] for c in counts) + 2 * args.vocab_size * args.dim
+            try:
+                graphdef, state = random_model(args)
+                cache = jax.jit(lambda: init_cache(args, 1, s))()
+                ids = jax.random.randint(jax.random.key(2), (1, s), 0, args.vocab_size)
+
+                def run(state, ids, cache, gd=graphdef):
+                    return nnx.merge(gd, state).prefill(ids, None, cache)
+
+                f = jax.jit(run)
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(state, ids, cache))
+                compile_s = time.perf_counter() - t0
+                t = timeit(lambda: f(state, ids, cache)[0], warmup=1, iters=2 if not tiny else 1, repeats=2)
+                rep.add(name=f"prefill {path}", batch=1, context=s, seconds=t, bytes=by, flops=fl,
+                        fraction_of_ceiling=fl / t / ceil["bf16"], ceiling="bf16", compile_s=round(compile_s, 1),
+                        tokens_per_s=round(s / t, 1))
+                del state, cache
+            except Exception as e:  # noqa: BLE001
+                rep.add(name=f"prefill {path}", batch=1, context=s, seconds=None, bytes=by, flops=fl,
+                        fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc(limit=3)
+            _speedup(rep, "prefill", 1, s)
+
+
+def _speedup(rep: Report, kind: str, batch: int, context: int):
+    got = {r["name"].split()[-1]: r for r in rep.rows
+           if r["name"] in (f"{kind} fast", f"{kind} reference") and r["batch"] == batch and r["context"] == context}
+    if len(got) == 2 and got["fast"].get("seconds") and got["reference"].get("seconds") and "speedup" not in got["fast"]:
+        got["fast"]["speedup"] = round(got["reference"]["seconds"] / got["fast"]["seconds"], 2)
+        rep.add(name=f"{kind} speed-up", batch=batch, context=context, seconds=None, bytes=0, flops=0,
+                fraction_of_ceiling=None, speedup=got["fast"]["speedup"])
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for model_speed.json")
+    p.add_argument("--tiny", action="store_true", help="tiny width on any backend (bug check)")
+    p.add_argument("--sections", default="ceilings,experts,decode,prefill")
+    p.add_argument("--paths", default="fast,reference", help="fast (kernels=auto), reference (plain jnp)")
+    p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
+    p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
+    p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")
+    p.add_argument("--expert-batches", default="1,8,64,256")
+    p.add_argument("--layers-for", default="1x4096,64x4096",
+                   help="BxT decode shapes that also get per-layer times (fast path; add :reference)")
+    p.add_argument("--reference-batches", default=None,
+                   help="decode batches timed on the reference path too (default: all)")
+    ns = p.parse_args(argv)
+    tiny = ns.tiny
+    batches = _ints(ns.batches or ("1,2" if tiny else "1,8,64,256"))
+    contexts = _ints(ns.contexts or ("64,128" if tiny else "4096,65536"))
+    lengths = _ints(ns.prefill or ("32,64" if tiny else "4096,16384"))
+    paths = [v for v in ns.paths.split(",") if v]
+    for v in paths:
+        if v not in ("fast", "reference"):
+            p.error(f"--paths: unknown path {v!r} (fast, reference)")
+    sections = set(ns.sections.split(","))
+    layers_for = set()
+    for item in ns.layers_for.split(","):
+        if item:
+            shape, _, path = item.partition(":")
+            bb, tt = shape.split("x")
+            layers_for.add((int(bb), int(tt), path or "fast"))
+    dev = jax.devices()[0]
+    meta = {"device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "tiny": tiny, "layers": list(ROLES),
+            "describe_layers": bench_args(tiny, 1, contexts[0], "auto").describe_layers(),
+            "engram": "omitted (engram_layer_ids = ())"}
+    rep = Report(Path(ns.out), meta)
+    for line in meta["describe_layers"]:
+        print(line)
+    ceil = ceilings(rep, tiny) if "ceilings" in sections else {"hbm": 4.3e12, "bf16": 7.9e14, "fp8": None}
+    rep.meta["ceilings"] = ceil
+    if "experts" in sections:
+        experts_section(rep, ceil, bench_args(tiny, 1, contexts[0], "auto"), _ints(ns.expert_batches if not tiny else "1,8,64"))
+    if "decode" in sections:
+        ref_b = set(_ints(ns.reference_batches)) if ns.reference_batches else set(batches)
+        for context in contexts:
+            for batch in batches:
+                ps = [v for v in paths if v == "fast" or batch in ref_b]
+                decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for)
+    if "prefill" in sections:
+        prefill_section(rep, ceil, tiny, lengths, paths)
+    print(f"wrote {Path(ns.out) / 'model_speed.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
