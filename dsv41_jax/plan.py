@@ -90,8 +90,15 @@ def _nbytes(a) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def _state_shapes(args: ModelArgs) -> dict[str, jax.ShapeDtypeStruct]:
-    return shd.state_shapes(args)
+def _state_layout(args: ModelArgs) -> tuple[dict, frozenset]:
+    """({path: (logical axes, abstract array)} of every Variable, the Param paths): one eval_shape."""
+    from flax import nnx
+
+    from dsv41_jax.model import Transformer
+
+    params = frozenset(".".join(str(k) for k in path) for path, node in
+                       nnx.iter_graph(nnx.eval_shape(lambda: Transformer(args))) if isinstance(node, nnx.Param))
+    return shd.state_logical_axes(args), params
 
 
 def transient_estimate(args: ModelArgs, rows: int, prefill_tokens: int, max_seq_len: int) -> dict[str, int]:
@@ -179,17 +186,15 @@ def memory_plan(args: ModelArgs, mesh: str | Mapping[str, int], max_seq_len: int
     prefill_tokens = max_seq_len if prefill_tokens is None else prefill_tokens
     if not 1 <= prefill_tokens <= max_seq_len:
         raise ValueError(f"prefill_tokens ({prefill_tokens}) must be in [1, max_seq_len={max_seq_len}]")
-    shapes = _state_shapes(args)
-    specs = shd.state_partition_specs(args, sizes, rules)
-    params = set(shd.param_logical_axes(args))
+    layout, params = _state_layout(args)
     total = dict.fromkeys(WEIGHT_PARTS, 0)
     device = dict.fromkeys(WEIGHT_PARTS, 0)
     n_params = 0
-    for path, a in shapes.items():
+    for path, (axes, a) in layout.items():
         part = _weight_part(path)
         nbytes = _nbytes(a)
         total[part] += nbytes
-        device[part] += _per_device(nbytes, specs[path], sizes)
+        device[part] += _per_device(nbytes, shd.logical_to_spec(axes, a.shape, sizes, rules, name=path), sizes)
         if path in params and not path.endswith(".scale"):
             # block scales are not parameters (SPEC §15 counts); a packed fp4 int8 holds two values
             n_params += int(np.prod(a.shape, dtype=np.int64)) * (2 if a.dtype == np.int8 else 1)

@@ -73,6 +73,7 @@ __all__ = [
     "parse_mesh_spec",
     "specs_from_json",
     "specs_to_json",
+    "state_logical_axes",
     "state_partition_specs",
     "state_shapes",
 ]
@@ -393,13 +394,15 @@ def state_partition_specs(args: ModelArgs, mesh: Mesh | Mapping[str, int], rules
                           strict: bool = False) -> dict[str, PartitionSpec]:
     """Like `param_partition_specs` but for every Variable of the model (params and the Engram
     token map)."""
-    from flax import nnx
+    return {
+        path: logical_to_spec(axes, a.shape, mesh, rules, name=path, strict=strict)
+        for path, (axes, a) in state_logical_axes(args).items()
+    }
 
-    specs = {}
-    for path, a in _abstract_state(args, nnx.Variable).items():
-        axes = _STATE_AXES.get(path) or _axes_for(path, _PARAM_AXES_RE)
-        specs[path] = logical_to_spec(axes, a.shape, mesh, rules, name=path, strict=strict)
-    return specs
+
+def state_logical_axes(args: ModelArgs) -> dict[str, tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
+    """{path: (logical axes, abstract array)} for every Variable of `Transformer(args)`."""
+    return {path: (_STATE_AXES.get(path) or _axes_for(path, _PARAM_AXES_RE), a) for path, a in state_shapes(args).items()}
 
 
 def named_shardings(specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, NamedSharding]:

@@ -1,0 +1,150 @@
+"""Memory plan: bytes per device checked against independent arithmetic (SPEC §15, §19.2,
+cache.cache_bytes), the transient formula, fit verdicts and the two command lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from conftest import DATA, GOLDEN_ROOT
+from dsv41_jax import generate as G
+from dsv41_jax import plan as P
+from dsv41_jax import sharding as shd
+from dsv41_jax.cache import cache_bytes
+from dsv41_jax.config import ModelArgs
+
+T64K = 65536
+# SPEC §15: text backbone without the Engram tables, and one routed expert's parameters
+BACKBONE_PARAMS = 551_880_835_184
+EXPERT_PARAMS = 3 * 2304 * 5120
+# one routed expert in memory: packed fp4 (half a byte per value) + one e8m0 byte per 32 values
+# along K (w1, w3: K = dim = 5120; w2: K = moe_inter_dim = 2304)
+EXPERT_BYTES = EXPERT_PARAMS // 2 + 2 * 2304 * (5120 // 32) + 5120 * (2304 // 32)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_sharding(caplog):
+    # the released layer-14 Engram table cannot be split 8 ways; the fallback warning is expected
+    caplog.set_level(logging.ERROR, logger="dsv41_jax.sharding")
+
+
+@pytest.fixture(scope="module")
+def released() -> ModelArgs:
+    return P.load_config()
+
+
+@pytest.fixture(scope="module")
+def no_engram() -> ModelArgs:
+    """The released config without its Engram layers (its layout does not hinge on table rows)."""
+    cfg = json.loads((DATA / "released_config.json").read_text())
+    cfg.update(engram_layer_ids=[], engram_num_embeddings=[])
+    return ModelArgs.from_dict(cfg)
+
+
+def test_parameter_count_is_spec_15s_backbone_plus_the_engram_tables(released):
+    plan = P.memory_plan(released, "expert=8", T64K)
+    tables = [a for p, a in shd.state_shapes(released).items() if p.endswith(".engram.embed.weight")]
+    assert [a.shape[0] >= n for a, n in zip(tables, released.engram_num_embeddings, strict=True)] == [True, True]
+    assert plan.params == BACKBONE_PARAMS + sum(a.shape[0] * a.shape[1] for a in tables)
+
+
+@pytest.mark.parametrize("mesh, expert", [("expert=8", 8), ("expert=4,data=2", 4), ("expert=128", 128)])
+def test_routed_experts_per_device_are_the_devices_share_of_40_x_384_experts(released, mesh, expert):
+    plan = P.memory_plan(released, mesh, T64K)
+    assert plan.weights_total["routed experts"] == 40 * 384 * EXPERT_BYTES == 288_777_830_400
+    assert plan.weights_device["routed experts"] == 40 * 384 * EXPERT_BYTES // expert
+    # everything else (but the Engram tables) is replicated by the default rules
+    assert plan.weights_device["other weights"] == plan.weights_total["other weights"]
+
+
+def _cache_arithmetic(batch: int, t: int) -> int:
+    """SPEC §5.12 / §19.2 at the released config, stored as the reference stores it (QDQ'd bf16)."""
+    window = 40 * 128 * 512 * 2  # §19.2: 40 layers x 128 slots, here bf16 values
+    rows = 3 * (t // 2) + t  # §19.2: layers 2/8/14 add a row per 2 tokens, layer 20 one per token
+    compressed = rows * (512 + 128) * 2  # compress_kv + index_k rows, bf16
+    states = 3 * 2 * (2 * 512 * 4)  # ratio-2 kv_state + score_state [2, 512] f32
+    return batch * (window + compressed + states + t * 4 + 4)  # + Engram history int32 [T] + seq_len
+
+
+def test_cache_bytes_follow_spec_19_2s_row_counts_and_split_over_data(released):
+    plan = P.memory_plan(released, "data=2,expert=4", T64K, batch=3)
+    assert plan.padded_batch == 4  # the generator pads the batch to the data axis
+    assert plan.cache_total == _cache_arithmetic(4, T64K) == cache_bytes(released, 4, T64K)
+    assert plan.cache_device == plan.cache_total // 2
+    assert cache_bytes(released, 1, T64K) == 215_244_804
+    # per token of context: 2.5 rows of 1280 B (bf16) where the packed layout of §19.2 needs 890 B
+    grow = cache_bytes(released, 1, 2 * T64K) - cache_bytes(released, 1, T64K)
+    assert grow == T64K * (2.5 * 1280 + 4) and 890 == 2.5 * (288 + 68)
+
+
+def test_decode_transient_is_the_stated_sum_at_the_released_config(released):
+    t = P.transient_estimate(released, rows=1, prefill_tokens=16, max_seq_len=T64K)
+    stream = 2 * 4 * 5120 * 2  # block input and output [1, 1, hc, dim] bf16
+    index = 32 * T64K * 4 + T64K * 2  # layer 20 (ratio 1) scores all 65536 cached rows
+    attention = 2 * 64 * 512 * 2 + 640 * 512 * 2 + 64 * 640 * 4  # q, o; 128 + 512 gathered rows
+    moe = 2 * 6 * 2304 * 4 + 6 * 5120 * 2
+    assert index > attention > moe
+    assert t["decode"] == stream + index + 129280 * 4
+
+
+def test_prefill_transient_grows_with_the_square_of_the_prompt_at_the_indexer(released):
+    short = P.transient_estimate(released, 1, 4096, T64K)
+    # at 4096 tokens a compressed layer's attention leads: q, o + 640 gathered rows + f32 logits
+    assert short["prefill layer"] == 2 * 4096 * 64 * 512 * 2 + 4096 * 640 * 512 * 2 + 4096 * 64 * 640 * 4
+    a = P.transient_estimate(released, 1, 8192, T64K)
+    b = P.transient_estimate(released, 1, 16384, T64K)
+    # from 8192 on, the layer-20 indexer's [S, 32 heads, S] f32 products dominate
+    assert a["prefill layer"] == 8192 * 32 * 8192 * 4 + 8192 * 8192 * 2
+    assert b["prefill layer"] == 4 * a["prefill layer"]
+    plan = P.memory_plan(released, "data=2,expert=4", T64K, batch=4, prefill_tokens=8192)
+    assert plan.transient["prefill layer"] == 2 * a["prefill layer"]  # 2 rows per device
+
+
+def test_verdicts_for_a_few_meshes(no_engram, released):
+    eight = P.memory_plan(no_engram, "expert=8", T64K, prefill_tokens=2048)
+    # 36.1 GB of experts + 12.2 GB replicated + cache + transient: one H200 or v5p, not a v6e
+    assert 48e9 < eight.resident_per_device < 49e9 and eight.transient_per_device < 3e9
+    assert [eight.fits(c) for c in P.CHIPS] == [True, True, False]
+    # a 64k prompt in one prefill call: the resident part fits, the indexer's transient does not
+    whole = P.memory_plan(no_engram, "expert=8", T64K)
+    assert whole.fits("H200", with_transient=False) and not whole.fits("H200")
+    assert whole.transient_per_device > 500e9
+    # the released model on 8 v6e: the experts alone (36.1 GB per device) exceed a chip
+    assert P.memory_plan(released, "expert=8", T64K).weights_device["routed experts"] > P.CHIPS["TPU v6e"]
+    assert not P.memory_plan(released, "expert=8", T64K, prefill_tokens=16).fits("TPU v6e")
+
+
+def test_a_mesh_that_does_not_divide_the_experts_or_bad_sizes_are_refused(released):
+    with pytest.raises(shd.ShardingError, match=r"expert axis \(5\) must divide the number of routed experts \(384\)"):
+        P.memory_plan(released, "expert=5", T64K)
+    with pytest.raises(ValueError, match=r"prefill_tokens \(9\) must be in \[1, max_seq_len=8\]"):
+        P.memory_plan(released, "expert=8", 8, prefill_tokens=9)
+
+
+def test_plan_commands_print_the_table(capsys):
+    assert P.main(["--mesh", "expert=8,data=1", "--max-seq-len", "65536", "--batch", "2",
+                   "--prefill-tokens", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert "mesh data=1,expert=8,tensor=1 (8 devices), max_seq_len 65536, batch 2" in text
+    assert f"{P.memory_plan(P.load_config(), 'expert=8', 65536).params:,} parameters" in text
+    assert "fits 8 x" in text and "TPU v6e" in text
+    tiny = GOLDEN_ROOT / "tiny-a"
+    assert G.main(["--plan", "--ckpt", str(tiny), "--mesh", "expert=4,data=2", "--batch", "3",
+                   "--max-seq-len", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "batch 3 (padded to 4 for data=2)" in text and "total MB" in text
+    assert G.main(["--plan", "--mesh", "expert=5"]) == 2
+    assert "expert axis (5) must divide" in capsys.readouterr().err
+
+
+def test_plan_of_a_tiny_config_matches_its_cache_and_state_bytes():
+    args = ModelArgs.from_json(GOLDEN_ROOT / "tiny-a" / "config.json")
+    plan = P.memory_plan(args, "expert=4,data=2", 64, batch=4)
+    assert plan.cache_total == cache_bytes(args, 4, 64) and plan.cache_device == plan.cache_total // 2
+    shapes = shd.state_shapes(args)
+    total = sum(int(a.size) * a.dtype.itemsize for a in shapes.values())
+    assert sum(plan.weights_total.values()) == total
+    assert dataclasses.asdict(plan)["mesh"] == {"data": 2, "expert": 4, "tensor": 1}
