@@ -45,10 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv41-convert: error: {e}", file=sys.stderr)
         return 2
     gib = 2**30
+    plan = summary["plan"]
     print(
-        f"dsv41-convert: wrote {args.out}: {summary['plan']['params']} params in {summary['plan']['groups']} groups "
-        f"({summary['groups_written']} written, {summary['groups_skipped']} resumed), {summary['plan']['dropped']} hub "
-        f"tensors dropped (not in the text model); {summary['bytes'] / gib:.2f} GiB in {summary['seconds']:.1f} s; "
+        f"dsv41-convert: wrote {args.out}: {plan['params']} params in {plan['groups']} groups "
+        f"({summary['groups_written']} written, {summary['groups_skipped']} resumed), {plan['dropped']} hub "
+        f"tensors dropped (listed in manifest.json); {summary['bytes'] / gib:.2f} GiB in {summary['seconds']:.1f} s; "
         f"peak RSS {summary['peak_rss'] / gib:.2f} GiB, largest group {summary['largest_group_bytes'] / gib:.2f} GiB"
     )
+    for row in plan["dropped_summary"]:
+        print(f"  dropped {row['tensors']} tensors {row['prefix']} ({row['bytes'] / gib:.2f} GiB): {row['reason']}")
+    if plan["engram_rows_multiple"] > 1:
+        print(f"  Engram table rows padded to a multiple of {plan['engram_rows_multiple']} (the mesh's split)")
     return 0

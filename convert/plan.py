@@ -13,9 +13,20 @@ parameter of `Transformer(target_args)` (module paths, from `nnx.eval_shape`) to
                     in `--dtype bf16` mode);
       dequant_fp4   packed e2m1 + `.scale` -> bf16 / f32 (routed experts in bf16 mode).
 
-Hub tensors the text model does not hold (vision tower, aligner, image tokens, DSpark stages) are
-dropped with that reason. The plan is total: every index name is consumed by exactly one
-parameter or dropped, which `build_plan` checks before anything is written.
+Hub tensors of parts dsv41_jax does not port (the DSpark draft stages `mtp.*`, the vision tower,
+aligner and image delimiter vectors: `NOT_IN_TEXT_MODEL`) are dropped, each with the reason of its
+prefix (`DROP_REASONS`), listed in the manifest and printed by the CLI. They are not carried along
+under their hub names: the output is the state of the model that loads it, and no module of the
+port reads them (a port of DSpark or vision converts them from the hub then). They are still
+checked against the config's inventory like every other tensor. The plan is total: every index
+name is consumed by exactly one parameter or dropped, which `build_plan` checks before anything
+is written.
+
+Engram tables are stored with their rows padded (zero rows at the end) up to a multiple of the
+number of devices their sharding rule splits them over on the requested mesh
+(`engram_rows_multiple`; the released layer-14 table has 384,016,682 = 2 x prime rows, which no
+larger device count divides). The output's model is built with that multiple
+(`ModelArgs.engram_rows_multiple`, recorded in the manifest); hash ids never reach the padding.
 
 Groups (the unit of writing, of memory in flight and of `--resume`): `embed` (embed + final
 norm), `head`, per layer `layers.L` (everything but the routed experts and the Engram table),
@@ -38,9 +49,11 @@ from jax.sharding import PartitionSpec
 from dsv41_jax import sharding as shd
 from dsv41_jax.checkpoint import CheckpointError, HubCheckpoint, check_against_inventory, hub_tensor_inventory
 from dsv41_jax.config import ModelArgs
+from dsv41_jax.engram import stored_table_rows
 from dsv41_jax.parity import NOT_IN_TEXT_MODEL
 
-__all__ = ["ConversionError", "Group", "Leaf", "Plan", "build_plan", "target_args_for", "verify_source"]
+__all__ = ["DROP_REASONS", "ConversionError", "Group", "Leaf", "Plan", "build_plan", "engram_rows_multiple",
+           "target_args_for", "verify_source"]
 
 _STACKED = re.compile(r"^(?P<head>.*\.ffn\.experts)\.(?P<w>w[123])\.(?P<kind>weight|scale)$")
 _TABLE = re.compile(r"^(?P<layer>layers\.\d+)\.engram\.embed\.(weight|scale)$")
@@ -51,6 +64,17 @@ _MAX_LISTED = 20
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
 
 HOW = ("copy", "widen", "dequant_fp8", "dequant_fp4")
+
+# Why each hub prefix of `NOT_IN_TEXT_MODEL` is not converted (the key table of the dropped names).
+_NOT_PORTED = "dsv41_jax has no module that reads it, so the converted model could not use it"
+DROP_REASONS: dict[str, str] = {
+    "mtp.": f"DSpark draft stages (SPEC §11, speculative drafting): {_NOT_PORTED}",
+    "vision.": f"vision tower (SPEC §12): {_NOT_PORTED}; image rows enter the text model as embeddings",
+    "aligner.": f"vision aligner (SPEC §12): {_NOT_PORTED}",
+    "image_start": f"image delimiter vector of the vision merge (SPEC §12): {_NOT_PORTED}",
+    "image_end": f"image delimiter vector of the vision merge (SPEC §12): {_NOT_PORTED}",
+    "image_newline": f"image delimiter vector of the vision merge (SPEC §12): {_NOT_PORTED}",
+}
 
 
 class ConversionError(ValueError):
@@ -65,7 +89,8 @@ class Leaf:
     stacked: the sources fill the leading axis one by one (routed experts);
     scales: hub `.scale` names consumed to dequantise (one per source) or ();
     how: one of HOW; dtype / shape: the parameter's; spec: its PartitionSpec on the mesh;
-    source_bytes: bytes read from the hub for it.
+    source_bytes: bytes read from the hub for it; pad_rows: zero rows written after the hub's
+    rows (Engram tables, see the module doc), so shape[0] = hub rows + pad_rows.
     """
 
     path: str
@@ -77,15 +102,19 @@ class Leaf:
     shape: tuple[int, ...]
     spec: PartitionSpec
     source_bytes: int
+    pad_rows: int = 0
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def record(self) -> dict:
-        return {"dtype": self.dtype.name, "shape": list(self.shape),
-                "spec": [e if e is None or isinstance(e, str) else list(e) for e in self.spec],
-                "how": self.how, "sources": len(self.sources)}
+        rec = {"dtype": self.dtype.name, "shape": list(self.shape),
+               "spec": [e if e is None or isinstance(e, str) else list(e) for e in self.spec],
+               "how": self.how, "sources": len(self.sources)}
+        if self.pad_rows:
+            rec["pad_rows"] = self.pad_rows
+        return rec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +145,21 @@ class Plan:
     mesh_sizes: dict[str, int]
     groups: tuple[Group, ...]
     dropped: dict[str, str]  # hub name -> reason
+    dropped_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # hub name -> bytes
 
     @property
     def source_bytes(self) -> int:
         return sum(g.source_bytes for g in self.groups)
+
+    def dropped_summary(self) -> list[dict]:
+        """One row per dropped prefix: {"prefix", "reason", "tensors", "bytes"}."""
+        rows: dict[str, dict] = {}
+        for name, reason in sorted(self.dropped.items()):
+            prefix = next(p for p in DROP_REASONS if name.startswith(p))
+            row = rows.setdefault(prefix, {"prefix": prefix + "*", "reason": reason, "tensors": 0, "bytes": 0})
+            row["tensors"] += 1
+            row["bytes"] += self.dropped_bytes.get(name, 0)
+        return list(rows.values())
 
 
 def _listing(title: str, items: list[str]) -> str:
@@ -168,6 +208,12 @@ def verify_source(ckpt: HubCheckpoint, args: ModelArgs) -> None:
         parts.append(str(e))
     if parts:
         raise ConversionError(f"cannot convert {ckpt.directory}:\n" + "\n".join(parts))
+
+
+def engram_rows_multiple(mesh_sizes: Mapping[str, int], rules: shd.Rules = shd.DEFAULT_RULES) -> int:
+    """The number of pieces the `engram_rows` rule splits a table's rows into on the mesh: the
+    product of the sizes of its mesh axes (8 on expert=8,data=1: every device holds 1/8)."""
+    return math.prod(int(mesh_sizes.get(a, 1)) for a in rules.mesh_axes("engram_rows"))
 
 
 def target_args_for(args: ModelArgs, dtype_mode: str) -> ModelArgs:
@@ -227,6 +273,8 @@ def build_plan(ckpt: HubCheckpoint, source_args: ModelArgs, *, dtype_mode: str =
     verify_source(ckpt, source_args)
     inventory = hub_tensor_inventory(source_args)
     target = target_args_for(source_args, dtype_mode)
+    if target.engram_layer_ids:
+        target = target.replace(engram_rows_multiple=engram_rows_multiple(mesh_sizes, rules))
     params = shd.param_logical_axes(target)
     used: collections.Counter = collections.Counter()
     leaves: dict[str, Leaf] = {}
@@ -256,16 +304,27 @@ def build_plan(ckpt: HubCheckpoint, source_args: ModelArgs, *, dtype_mode: str =
                 problems.append(f"{path}: {how} needs the `.scale` siblings of {sources[0]}, absent from the checkpoint")
                 continue
         shape = _expected_shape(how, hub_shape, n)
+        pad_rows = 0
+        if (_TABLE.match(path) and how == "copy" and shape[1:] == tuple(abstract.shape[1:])
+                and abstract.shape[0] == stored_table_rows(shape[0], target.engram_rows_multiple)):
+            pad_rows = abstract.shape[0] - shape[0]
+            shape = tuple(abstract.shape)
         if shape != tuple(abstract.shape):
             problems.append(f"{path}: the hub tensors give {shape}, the model parameter is {tuple(abstract.shape)}")
             continue
         nbytes = sum(math.prod(inventory[s][1]) * _ITEMSIZE[inventory[s][0]] for s in sources + scales)
         spec = shd.logical_to_spec(axes, abstract.shape, mesh_sizes, rules, name=path)
-        leaves[path] = Leaf(path, sources, m is not None, scales, how, dtype, tuple(abstract.shape), spec, nbytes)
+        leaves[path] = Leaf(path, sources, m is not None, scales, how, dtype, tuple(abstract.shape), spec, nbytes,
+                            pad_rows)
         used.update(sources + scales)
 
-    dropped = {n: "not held by the text model (" + next(p for p in NOT_IN_TEXT_MODEL if n.startswith(p)) + "*)"
+    unexplained = [p for p in NOT_IN_TEXT_MODEL if p not in DROP_REASONS]
+    if unexplained:
+        raise ConversionError(f"internal: hub prefixes {unexplained} are skipped by the model but have no drop reason "
+                              "in convert.plan.DROP_REASONS")
+    dropped = {n: DROP_REASONS[next(p for p in NOT_IN_TEXT_MODEL if n.startswith(p))]
                for n in ckpt.names() if n.startswith(NOT_IN_TEXT_MODEL)}
+    dropped_bytes = {n: math.prod(inventory[n][1]) * _ITEMSIZE[inventory[n][0]] for n in dropped if n in inventory}
     twice = sorted(n for n, c in used.items() if c > 1)
     leftover = sorted(set(ckpt.names()) - used.keys() - dropped.keys())
     consumed_and_dropped = sorted(used.keys() & dropped.keys())
@@ -285,5 +344,5 @@ def build_plan(ckpt: HubCheckpoint, source_args: ModelArgs, *, dtype_mode: str =
         grouped.setdefault(name, (kind, []))[1].append(leaves[path])
     order = sorted(grouped, key=lambda g: (g == "head", _layer_key(g)))
     groups = tuple(Group(g, grouped[g][0], tuple(grouped[g][1])) for g in order)
-    return Plan(source_args, target, dtype_mode, dict(mesh_sizes), groups, dropped)
+    return Plan(source_args, target, dtype_mode, dict(mesh_sizes), groups, dropped, dropped_bytes)
 

@@ -4,6 +4,7 @@ stream it (`convert.plan`, `convert.stream`)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,8 @@ from dsv41_jax.checkpoint import CheckpointError, HubCheckpoint
 from dsv41_jax.config import ConfigError, ModelArgs
 
 __all__ = ["convert_checkpoint", "find_config", "find_token_map"]
+
+log = logging.getLogger(__name__)
 
 TOKEN_MAP_NAME = "engram_map.npy"
 
@@ -88,7 +91,8 @@ def convert_checkpoint(hf_ckpt: str | os.PathLike, out: str | os.PathLike, *, me
     dtype: "keep" (quantised values and scales bit for bit) or "bf16" (dequantised, for debugging;
       its config.json says dtype bf16 / expert_dtype null so it loads into that model).
     Everything is checked before the first write (`convert.plan.build_plan`). Returns the summary
-    of `convert.stream.write_plan` plus "plan": {"groups", "params", "dropped"}.
+    of `convert.stream.write_plan` plus "plan": {"groups", "params", "dropped", "dropped_summary"
+    (`Plan.dropped_summary`), "engram_rows_multiple"}.
     """
     hf_ckpt = Path(hf_ckpt)
     config_path = find_config(hf_ckpt, config)
@@ -108,6 +112,9 @@ def convert_checkpoint(hf_ckpt: str | os.PathLike, out: str | os.PathLike, *, me
         plan = build_plan(ckpt, source_args, dtype_mode=dtype, mesh_sizes=mesh_sizes, rules=rules)
     except shd.ShardingError as e:
         raise ConversionError(f"--mesh {mesh_spec}: {e}") from None
+    for row in plan.dropped_summary():
+        log.info("dropping %d hub tensors %s (%.2f GiB): %s", row["tensors"], row["prefix"], row["bytes"] / 2**30,
+                 row["reason"])
     token_map = find_token_map(hf_ckpt, source_args, engram_map)
     out_config = dict(raw_config)
     if dtype == "bf16":
@@ -115,5 +122,6 @@ def convert_checkpoint(hf_ckpt: str | os.PathLike, out: str | os.PathLike, *, me
     summary = write_plan(plan, ckpt, Path(out), config=out_config, token_map=token_map, resume=resume,
                          progress=progress, chunk_bytes=chunk_bytes, on_group_done=on_group_done)
     summary["plan"] = {"groups": len(plan.groups), "params": sum(len(g.leaves) for g in plan.groups),
-                       "dropped": len(plan.dropped)}
+                       "dropped": len(plan.dropped), "dropped_summary": plan.dropped_summary(),
+                       "engram_rows_multiple": plan.target_args.engram_rows_multiple}
     return summary

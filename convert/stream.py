@@ -6,7 +6,8 @@ plan says so), then one synchronous Orbax PyTree save writes the group and the b
 dropped. Orbax writes an array only from a whole in-memory value, so the group (at most one
 layer's stacked w1 with its scales, or the fp32 head) is the memory in flight. The Engram
 tables, larger than a host's RAM, are the exception: they are copied row block by row block
-into zarr3 arrays with tensorstore.
+into zarr3 arrays with tensorstore, followed by the zero rows that pad them to a multiple of the
+mesh's split (`Leaf.pad_rows`, see `convert.plan`).
 
 Layout on the mesh: each array is its own zarr directory (Orbax without OCDBT); every dim that
 a parameter's rule shards is stored in chunks of one index along it (Orbax
@@ -26,12 +27,14 @@ process RSS until unmapped, so after each copy the mapping's pages are released
 the page cache and later reads fault it back).
 
 Atomicity and resume: everything is written under `OUT.partial/`; `run.json` there pins the
-source (index digest, shard sizes), the dtype mode and the mesh; after a group is written its
-record goes to `progress/<group>.json`. `--resume` re-checks the run identity, skips each group
-whose record matches the plan and whose stored arrays have the planned shapes and dtypes, and
-rewrites any other. Only when every group is written do `config.json`, `engram_map.npy` and
-`manifest.json` appear, and `OUT.partial` is renamed to `OUT` in one step, so a crash never
-leaves a directory that loads as complete.
+source (index digest, shard sizes), the dtype mode and the mesh; after a group is written, its
+files are read back and their SHA-256 digests go with the group's record to
+`progress/<group>.json`. `--resume` re-checks the run identity, skips each group whose record
+matches the plan and whose files (every file under the group's directories, none missing, none
+added) still have the recorded digests, and rewrites any other, so a group damaged on disk is
+redone. Only when every group is written do `config.json`, `engram_map.npy` and `manifest.json`
+(with one digest per group, over its files' digests) appear, and `OUT.partial` is renamed to
+`OUT` in one step, so a crash never leaves a directory that loads as complete.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from dsv41_jax import checkpoint_io as cio
 from dsv41_jax import quant
 from dsv41_jax.checkpoint import HubCheckpoint
 
-__all__ = ["PARTIAL_SUFFIX", "peak_rss_bytes", "rss_bytes", "write_plan"]
+__all__ = ["PARTIAL_SUFFIX", "group_digest", "peak_rss_bytes", "rss_bytes", "write_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -177,44 +180,75 @@ def _write_table_group(group: Group, root: Path, reader: _Reader) -> None:
         if leaf.how != "copy" or len(leaf.sources) != 1:
             raise ConversionError(f"{leaf.path}: tables are copied bit for bit; the plan asks {leaf.how!r}")
         src = reader.get(leaf.sources[0])
-        rows = leaf.shape[0]
-        row_bytes = src.nbytes // max(rows, 1)
+        rows, hub_rows = leaf.shape[0], leaf.shape[0] - leaf.pad_rows
+        if tuple(src.shape) != (hub_rows, *leaf.shape[1:]):
+            raise ConversionError(f"{leaf.sources[0]}: hub shape {tuple(src.shape)}, the plan expects "
+                                  f"{(hub_rows, *leaf.shape[1:])}")
+        row_bytes = leaf.nbytes // max(rows, 1)
         byte_shape = (rows, row_bytes)
         chunk_rows = max(1, min(rows, TABLE_CHUNK_BYTES // max(row_bytes, 1)))
         dst = ts.open(cio.table_spec(root / leaf.path, create={"shape": byte_shape,
                                                                "chunk_shape": (chunk_rows, row_bytes)})).result()
         step = chunk_rows * max(1, reader.chunk_bytes // (chunk_rows * row_bytes))
-        for r in range(0, rows, step):
+        for r in range(0, hub_rows, step):
             block = np.ascontiguousarray(src[r:r + step]).view(np.uint8).reshape(-1, row_bytes)
             # the block is not touched again before the write completes: no copy into tensorstore's cache
             dst[r:r + block.shape[0]].write(block, can_reference_source_data_indefinitely=True).result()
             _release_pages(src)
             reader.on_bytes(block.nbytes)
+        if leaf.pad_rows:
+            # padding rows are all-zero bytes (weight 0): they read as zero, as ids outside the table do
+            dst[hub_rows:rows].write(np.zeros((leaf.pad_rows, row_bytes), np.uint8)).result()
 
 
-def _stored_matches(group: Group, tmp: Path) -> bool:
-    """Whether the stored arrays of a group have the planned paths, shapes and dtypes."""
-    want = {leaf.path: (leaf.shape, leaf.dtype) for leaf in group.leaves}
+def _file_digests(group: Group, tmp: Path) -> dict[str, str]:
+    """{path relative to `tmp`: SHA-256 hex} of every file the finished group consists of (its
+    directories, read back from disk in 1 MiB blocks, so memory stays flat)."""
+    digests = {}
+    for root in _group_dirs(group, tmp, finished_only=True):
+        files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root] if root.exists() else []
+        for f in files:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            digests[f.relative_to(tmp).as_posix()] = h.hexdigest()
+    return digests
+
+
+def group_digest(file_digests: dict[str, str]) -> str:
+    """One SHA-256 over a group's sorted (file, digest) pairs (the manifest's per-group checksum)."""
+    return hashlib.sha256("".join(f"{p}\0{d}\n" for p, d in sorted(file_digests.items())).encode()).hexdigest()
+
+
+def _verified(group: Group, tmp: Path, record_path: Path, expected: dict) -> dict[str, str] | None:
+    """The file digests of a group written by an earlier run, if its record matches the plan
+    and every file still has its recorded digest; None means: rewrite the group."""
     try:
-        if group.kind == "orbax":
-            return cio.orbax_tree_metadata(tmp / cio.STATE_DIR / group.name) == want
-        import tensorstore as ts
+        done = json.loads(record_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        log.info("group %s: progress record unreadable (%s); rewriting it", group.name, e)
+        return None
+    recorded = done.pop("files", None) if isinstance(done, dict) else None
+    if done != expected or not isinstance(recorded, dict) or not recorded:
+        log.info("group %s: progress record differs from the plan; rewriting it", group.name)
+        return None
+    stored = _file_digests(group, tmp)
+    if stored != recorded:
+        changed = sorted(p for p in stored.keys() | recorded.keys() if stored.get(p) != recorded.get(p))
+        log.warning("group %s: %d stored files differ from their recorded checksums (%s%s); rewriting it",
+                    group.name, len(changed), ", ".join(changed[:3]), " ..." if len(changed) > 3 else "")
+        return None
+    return stored
 
-        for leaf in group.leaves:
-            arr = ts.open(cio.table_spec(tmp / cio.TABLES_DIR / leaf.path)).result()
-            if tuple(arr.shape) != (leaf.shape[0], leaf.nbytes // max(leaf.shape[0], 1)):
-                return False
-        return True
-    except Exception as e:  # noqa: BLE001 (any failure to read back means: rewrite the group)
-        log.info("group %s: stored data not readable (%s); rewriting it", group.name, e)
-        return False
 
-
-def _group_dirs(group: Group, tmp: Path) -> list[Path]:
+def _group_dirs(group: Group, tmp: Path, *, finished_only: bool = False) -> list[Path]:
     """Everything a group may have left: its arrays, and Orbax's temporary directory of a save
     that was cut off (`<name>.orbax-checkpoint-tmp-*`, renamed to `<name>` only when complete)."""
     if group.kind == "orbax":
         state = tmp / cio.STATE_DIR
+        if finished_only:
+            return [state / group.name]
         return [state / group.name, *state.glob(f"{group.name}.orbax-checkpoint-tmp*")]
     return [tmp / cio.TABLES_DIR / leaf.path for leaf in group.leaves]
 
@@ -281,22 +315,20 @@ def write_plan(plan: Plan, ckpt: HubCheckpoint, out: Path, *, config: dict,
                disable=not progress, smoothing=0.1)
     reader = _Reader(ckpt, chunk_bytes, bar.update)
     written = skipped = 0
+    digests: dict[str, str] = {}
     t0 = time.perf_counter()
     try:
         for group in plan.groups:
             record_path = tmp / PROGRESS_DIR / f"{group.name}.json"
             expected = {**group.record(), "consumed": sorted(n for leaf in group.leaves for n in leaf.sources + leaf.scales)}
             if record_path.exists():
-                try:
-                    done = json.loads(record_path.read_text()) == expected and _stored_matches(group, tmp)
-                except (OSError, json.JSONDecodeError):
-                    done = False
-                if done:
+                files = _verified(group, tmp, record_path, expected)
+                if files is not None:
+                    digests[group.name] = group_digest(files)
                     reader.consumed.update(expected["consumed"])
                     bar.update(group.source_bytes)
                     skipped += 1
                     continue
-                log.info("group %s: record does not verify; rewriting it", group.name)
                 record_path.unlink()
             for d in _group_dirs(group, tmp):
                 if d.exists():
@@ -307,7 +339,9 @@ def write_plan(plan: Plan, ckpt: HubCheckpoint, out: Path, *, config: dict,
                 _write_orbax_group(group, tmp / cio.STATE_DIR / group.name, reader)
             else:
                 _write_table_group(group, tmp / cio.TABLES_DIR, reader)
-            record_path.write_text(json.dumps(expected, indent=1))
+            files = _file_digests(group, tmp)
+            digests[group.name] = group_digest(files)
+            record_path.write_text(json.dumps({**expected, "files": files}, indent=1))
             written += 1
             if on_group_done is not None:
                 on_group_done(group)
@@ -329,9 +363,11 @@ def write_plan(plan: Plan, ckpt: HubCheckpoint, out: Path, *, config: dict,
         "complete": True,
         "dtype_mode": plan.dtype_mode,
         "mesh": plan.mesh_sizes,
+        "engram_rows_multiple": plan.target_args.engram_rows_multiple,
         "source": identity["source"],
-        "groups": [g.record() for g in plan.groups],
+        "groups": [{**g.record(), "sha256": digests[g.name]} for g in plan.groups],
         "dropped": plan.dropped,
+        "dropped_summary": plan.dropped_summary(),
         "token_map": cio.TOKEN_MAP_FILE if token_map is not None else None,
     }
     (tmp / cio.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))

@@ -2,7 +2,8 @@
 
 Layout of a converted checkpoint (format "dsv41-orbax", version 1), written by `convert/`:
 
-    OUT/manifest.json      groups, per-parameter dtype / shape / PartitionSpec, mesh, dropped names;
+    OUT/manifest.json      groups (each with a SHA-256 over its files), per-parameter dtype / shape /
+                           PartitionSpec, mesh, `engram_rows_multiple`, dropped names with reasons;
                            written last: its presence with "complete": true marks a finished run
     OUT/config.json        the model config (`ModelArgs.from_json`)
     OUT/engram_map.npy     raw -> compressed token map (configs with Engram layers)
@@ -12,10 +13,12 @@ Layout of a converted checkpoint (format "dsv41-orbax", version 1), written by `
     OUT/tables/<path>/     Engram tables (`layers.L.engram.embed.{weight,scale}`): zarr3 arrays
                            of the raw bytes (uint8, [rows, cols]), row-chunked, written chunk by
                            chunk with tensorstore (a table is up to 98 GB, more than a host
-                           holds, and Orbax writes an array only from a whole in-memory jax.Array)
+                           holds, and Orbax writes an array only from a whole in-memory jax.Array);
+                           rows padded with zero rows to a multiple of `engram_rows_multiple`
 
 Together the groups hold every parameter of the model exactly once. `load_converted` builds the
-model abstractly (`nnx.eval_shape`), restores each array straight into its target sharding (Orbax
+model abstractly (`nnx.eval_shape`) with the manifest's `engram_rows_multiple` (so its Engram
+tables have the stored, padded row count), restores each array straight into its target sharding (Orbax
 reads only each device's shard; tables are read per shard with tensorstore), so nothing is
 materialised whole on one host or device beyond its shard.
 """
@@ -45,6 +48,7 @@ __all__ = [
     "TABLES_DIR",
     "TOKEN_MAP_FILE",
     "ConvertedCheckpointError",
+    "converted_args",
     "flatten",
     "load_converted",
     "nest",
@@ -184,12 +188,29 @@ def _restore_table(path: Path, target: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.make_array_from_callback(tuple(target.shape), target.sharding, read)
 
 
+def converted_args(directory: str | os.PathLike, **arg_overrides) -> ModelArgs:
+    """The `ModelArgs` of the model a converted checkpoint loads into: its config.json, the
+    manifest's `engram_rows_multiple` (the stored table layout) and runtime `arg_overrides`.
+    Raises ConvertedCheckpointError for an incomplete directory or an override of the layout."""
+    d = Path(directory)
+    manifest = read_manifest(d)
+    multiple = manifest.get("engram_rows_multiple", 1)
+    if arg_overrides.get("engram_rows_multiple", multiple) != multiple:
+        raise ConvertedCheckpointError(
+            f"{d}: its Engram tables are stored with rows padded to a multiple of {multiple} "
+            f"({MANIFEST_FILE}: engram_rows_multiple); engram_rows_multiple="
+            f"{arg_overrides['engram_rows_multiple']} cannot load them (convert again for another mesh)"
+        )
+    return ModelArgs.from_json(d / CONFIG_FILE, **{**arg_overrides, "engram_rows_multiple": multiple})
+
+
 def load_converted(directory: str | os.PathLike, mesh: Mesh | None = None, *, rules: shd.Rules = shd.DEFAULT_RULES,
                    **arg_overrides) -> tuple[Any, ModelArgs]:
     """Restores a converted checkpoint as a `Transformer` whose arrays are laid out on `mesh`.
 
     mesh: default `make_mesh(default_mesh_spec(len(jax.devices()), args))`.
-    arg_overrides: runtime fields of `ModelArgs` (e.g. max_seq_len, max_batch_size).
+    arg_overrides: runtime fields of `ModelArgs` (e.g. max_seq_len, max_batch_size);
+      `engram_rows_multiple` comes from the manifest (the stored layout) and cannot be changed.
     Returns (model, args). Raises ConvertedCheckpointError if the directory is incomplete, or its
     arrays do not match the model built from its config.
     """
@@ -198,7 +219,7 @@ def load_converted(directory: str | os.PathLike, mesh: Mesh | None = None, *, ru
 
     d = Path(directory)
     manifest = read_manifest(d)
-    args = ModelArgs.from_json(d / CONFIG_FILE, **arg_overrides)
+    args = converted_args(d, **arg_overrides)
     if mesh is None:
         mesh = shd.make_mesh(shd.default_mesh_spec(len(jax.devices()), args), args=args)
     model = nnx.eval_shape(lambda: Transformer(args))

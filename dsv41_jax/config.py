@@ -1,8 +1,9 @@
 """Model configuration: one frozen, typed `ModelArgs` built from the official `inference/config.json`.
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
-limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob` and the
-kernel choices `kernels`, `kernels_interpret` are not in the released file). Per-layer facts
+limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob`, the
+kernel choices `kernels`, `kernels_interpret` and the Engram storage padding `engram_rows_multiple`
+are not in the released file). Per-layer facts
 (attention role, which source layer a reuse layer reads, RoPE base, Engram table) are derived
 here as plain Python, so jitted code can branch on them statically.
 """
@@ -51,6 +52,10 @@ class ModelArgs:
     # CPU only with kernels_interpret=True, Pallas interpret mode)
     kernels: str = "auto"
     kernels_interpret: bool = False
+    # storage layout: Engram table rows are padded with zero rows up to a multiple of this, so a
+    # table splits evenly over the devices of its sharding rule (no hash id reaches a padded row);
+    # dsv41-convert picks it for the mesh and records it in the manifest of the converted checkpoint
+    engram_rows_multiple: int = 1
     # storage dtypes
     dtype: str = "fp8"
     expert_dtype: str | None = "fp4"
@@ -286,6 +291,8 @@ class ModelArgs:
             fail("DSpark stages (n_mtp_layers > 0, dspark_block_size > 0) need dspark_target_layer_ids")
         if self.max_seq_len <= 0 or self.max_batch_size <= 0:
             fail("max_seq_len and max_batch_size must be positive")
+        if not isinstance(self.engram_rows_multiple, int) or self.engram_rows_multiple < 1:
+            fail(f"engram_rows_multiple must be a positive integer, got {self.engram_rows_multiple!r}")
 
     # ------------------------------------------------------------------ derived facts
 

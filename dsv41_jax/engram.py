@@ -306,22 +306,38 @@ def engram_hash(ids: jax.Array, start_pos: int | jax.Array, history: jax.Array, 
 # ------------------------------------------------------------------------------------ module
 
 
+def stored_table_rows(rows: int, multiple: int) -> int:
+    """Rows a table is stored with: `rows` rounded up to a multiple of `multiple`
+    (`ModelArgs.engram_rows_multiple`). The rows past `rows` are padding: zero in a converted
+    checkpoint, and never addressed, since `engram_hash` returns ids below the sum of the
+    layer's primes, which is `rows` (`EngramLayout.from_args` checks that)."""
+    if rows < 0 or multiple < 1:
+        raise ValueError(f"stored_table_rows: rows {rows} must be >= 0 and multiple {multiple} >= 1")
+    return -(-rows // multiple) * multiple
+
+
 class EngramEmbedding(nnx.Module):
     """The n-gram table, kept fp8 as stored; rows are dequantised on lookup (SPEC §9.5).
 
-    weight e4m3 [rows, head_dim]; scale e8m0 [rows, head_dim / 32] (one per row per 32 columns).
+    weight e4m3 [stored_rows, head_dim]; scale e8m0 [stored_rows, head_dim / 32] (one per row per
+    32 columns). stored_rows >= rows: the rows from `rows` on are storage padding (so the table
+    splits evenly over a mesh, see `stored_table_rows`) and read as zero, like any id outside the
+    reference's table.
     """
 
-    def __init__(self, rows: int, head_dim: int):
+    def __init__(self, rows: int, head_dim: int, stored_rows: int | None = None):
         if head_dim % QUANT_BLOCK:
             raise ValueError(f"EngramEmbedding: head_dim {head_dim} is not a multiple of {QUANT_BLOCK}")
+        stored_rows = rows if stored_rows is None else stored_rows
+        if stored_rows < rows:
+            raise ValueError(f"EngramEmbedding: stored_rows {stored_rows} is fewer than the table's {rows} rows")
         self.rows, self.head_dim = rows, head_dim
-        self.weight = nnx.Param(jnp.zeros((rows, head_dim), jnp.float8_e4m3fn))
-        self.scale = nnx.Param(jnp.ones((rows, head_dim // QUANT_BLOCK), jnp.float8_e8m0fnu))
+        self.weight = nnx.Param(jnp.zeros((stored_rows, head_dim), jnp.float8_e4m3fn))
+        self.scale = nnx.Param(jnp.ones((stored_rows, head_dim // QUANT_BLOCK), jnp.float8_e8m0fnu))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """ids int [...] -> bf16 [..., head_dim]: value * scale in f32, then bf16. Ids outside the
-        table give zero rows, as the reference's lookup does."""
+        table's `rows` (padding rows included) give zero rows, as the reference's lookup does."""
         valid = (ids >= 0) & (ids < self.rows)
         safe = jnp.where(valid, ids, 0)
         w = jnp.take(self.weight[...], safe, axis=0).astype(jnp.float32)  # [..., hd]
@@ -349,9 +365,9 @@ class Engram(nnx.Module):
     """Engram module of one layer (SPEC §9.5-9.6); parameter names equal the hub's
     (`layers.{L}.engram.` + embed.weight / embed.scale / wkv.weight / wkv.scale / q_weight / k_weight).
 
-    embed: EngramEmbedding [rows, head_dim]; wkv: fp8 Linear n_cols*head_dim -> (hc + 1) * dim
-    (hc keys, then one value shared by all copies); q_weight, k_weight bf16 [hc, dim], used only
-    as their product.
+    embed: EngramEmbedding [stored rows, head_dim] (`stored_table_rows`); wkv: fp8 Linear
+    n_cols*head_dim -> (hc + 1) * dim (hc keys, then one value shared by all copies); q_weight,
+    k_weight bf16 [hc, dim], used only as their product.
     """
 
     def __init__(self, layer_id: int, args: ModelArgs):
@@ -360,7 +376,8 @@ class Engram(nnx.Module):
             raise ValueError(f"Engram: layer {layer_id} is not in engram_layer_ids {list(args.engram_layer_ids)}")
         self.layer_id, self.table = layer_id, table
         self.dim, self.hc, self.eps, self.n_cols = args.dim, args.hc_mult, args.norm_eps, args.n_hash_cols
-        self.embed = EngramEmbedding(args.engram_num_embeddings[table], args.engram_head_dim)
+        rows = args.engram_num_embeddings[table]
+        self.embed = EngramEmbedding(rows, args.engram_head_dim, stored_table_rows(rows, args.engram_rows_multiple))
         self.wkv = Linear(args.n_hash_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, "fp8")
         self.q_weight = nnx.Param(jnp.ones((args.hc_mult, args.dim), jnp.bfloat16))
         self.k_weight = nnx.Param(jnp.ones((args.hc_mult, args.dim), jnp.bfloat16))

@@ -12,6 +12,9 @@ Dtype rules (the same conversions the reference's loader applies):
 - a bf16 param whose hub tensor is fp8 with a `.scale` sibling is dequantised (attn.wo_a, which
   the reference's convert.py widens to bf16); that scale is then consumed too.
 
+An Engram table parameter may have more rows than the hub's (`ModelArgs.engram_rows_multiple`,
+storage padding for sharding): the hub rows fill the first rows, the rest are zero.
+
 This path materialises the module's weights on the host: it is for tiny checkpoints and tests.
 The released model goes through `dsv41-convert` (streaming, sharded) instead.
 """
@@ -30,6 +33,7 @@ from dsv41_jax import quant
 from dsv41_jax.checkpoint import CheckpointError, HubCheckpoint
 
 _STACKED = re.compile(r"(^|\.)experts\.(w[123])\.(weight|scale)$")
+_TABLE = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
 
 
 def module_param_paths(module: nnx.Module) -> dict[str, nnx.Variable]:
@@ -92,6 +96,12 @@ def load_hub_weights(module: nnx.Module, ckpt: HubCheckpoint | str | os.PathLike
             consumed.update(extra)
             parts.append(arr)
         value = np.stack(parts) if stacked else parts[0]
+        if (_TABLE.search(names[0]) and value.ndim == len(target.shape) and value.shape[1:] == tuple(target.shape[1:])
+                and value.shape[0] < target.shape[0]):
+            # zero bytes (weight 0), as dsv41-convert writes them; e8m0 has no zero value to ask numpy for
+            padded = np.zeros(tuple(target.shape), f"u{value.dtype.itemsize}").view(value.dtype)
+            padded[: value.shape[0]] = value
+            value = padded
         if value.shape != tuple(target.shape):
             raise CheckpointError(
                 f"{names[0]}{' (stacked over experts)' if stacked else ''}: checkpoint shape {value.shape}, "

@@ -1,10 +1,13 @@
 """dsv41-convert: coverage and inventory errors, keep-mode bit identity, atomic output and
---resume, the bf16 debug mode, and convert -> load round trips against direct loading."""
+--resume (with content checksums), Engram row padding, dropped hub tensors with their reasons,
+the bf16 debug mode, and convert -> load round trips against direct loading."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,13 +21,16 @@ import pytest
 from flax import nnx
 
 from convert import ConversionError, convert_checkpoint, main
+from convert.plan import DROP_REASONS, engram_rows_multiple
 from dsv41_jax import quant
+from dsv41_jax import sharding as shd
 from dsv41_jax.checkpoint import INDEX_FILE, HubCheckpoint, hub_tensor_inventory
 from dsv41_jax.checkpoint_io import ConvertedCheckpointError, load_converted, read_manifest
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.loading import load_hub_weights, module_param_paths
+from dsv41_jax.engram import Engram
 from dsv41_jax.model import Transformer
-from dsv41_jax.parity import GoldenSet, load_model
+from dsv41_jax.parity import NOT_IN_TEXT_MODEL, GoldenSet, load_model
 from dsv41_jax.synthetic import write_synthetic_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,6 +123,30 @@ def test_dtype_and_shape_mismatches_name_the_tensor_expected_and_found(tmp_path,
     assert "2 dtype/shape mismatches" in msg
     assert "layers.2.attn.q_norm.weight: expected BF16 [64], found F32 [64]" in msg
     assert "layers.4.ffn.experts.5.w2.weight: expected I8 [64, 32], found I8 [64, 64]" in msg
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_truncated_shard_is_refused_naming_the_shard_and_cut_tensor_and_nothing_is_written(tmp_path, tiny_hub):
+    hub = tmp_path / "hub"
+    shutil.copytree(tiny_hub, hub)
+    shard = sorted(hub.glob("*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError) as e:
+        convert_checkpoint(hub, out, progress=False)
+    assert re.search(rf"{shard.name}.*truncated", str(e.value)), str(e.value)
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+    with pytest.raises(ConvertedCheckpointError):
+        load_converted(out)
+
+
+def test_mesh_whose_expert_axis_does_not_divide_the_experts_is_refused_before_any_write(tmp_path, tiny_hub, capsys):
+    out = tmp_path / "out"
+    rc = main(["--hf-ckpt", str(tiny_hub), "--out", str(out), "--mesh", "expert=3", "--no-progress"])
+    assert rc == 2
+    assert "the expert axis (3) must divide the number of routed experts (8)" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
 
 
 def test_engram_config_without_a_token_map_is_refused_naming_the_file(tmp_path, tiny_hub):
@@ -168,6 +198,61 @@ def test_manifest_records_every_param_with_its_dtype_shape_and_spec(tiny_convert
                                                         "spec": ["expert", None, None], "how": "copy", "sources": 8}
     kinds = {g["name"]: g["kind"] for g in manifest["groups"]}
     assert kinds["layers.1.engram.embed"] == "table" and kinds["layers.1"] == "orbax"
+    assert manifest["engram_rows_multiple"] == 1  # one device: nothing to pad
+
+
+# --------------------------------------------------------------------- Engram row padding
+
+
+def test_engram_rows_are_padded_to_the_mesh_split_recorded_and_loaded_with_the_padded_shape(tmp_path, tiny_hub,
+                                                                                            tiny_args):
+    rows = tiny_args.engram_num_embeddings[0]
+    assert rows == 1618  # = 2 x 809: no split of 4 or 8 without padding
+    out = tmp_path / "out"
+    summary = convert_checkpoint(tiny_hub, out, mesh="expert=8", progress=False)  # converting needs no devices
+    manifest = read_manifest(out)
+    assert manifest["engram_rows_multiple"] == summary["plan"]["engram_rows_multiple"] == 8
+    table = next(g for g in manifest["groups"] if g["name"] == "layers.1.engram.embed")["params"]
+    assert table["layers.1.engram.embed.weight"] == {
+        "dtype": "float8_e4m3fn", "shape": [1624, tiny_args.engram_head_dim],
+        "spec": [["expert", "data", "tensor"], None], "how": "copy", "sources": 1, "pad_rows": 6}
+    assert table["layers.1.engram.embed.scale"]["shape"] == [1624, tiny_args.engram_head_dim // 32]
+    # restored here on one device, with the stored (padded) shape: hub rows bit for bit, then zero bytes
+    model, args = load_converted(out)
+    assert args == tiny_args.replace(engram_rows_multiple=8)
+    params, direct = _params(model), _direct(tiny_hub, tiny_args)
+    for p, want in direct.items():
+        got = params[p]
+        if ".engram.embed." in p:
+            assert got.shape == (1624, *want.shape[1:]), p
+            assert np.array_equal(_bits(got[:rows]), _bits(want)) and not _bits(got[rows:]).any(), p
+        else:
+            assert np.array_equal(_bits(got), _bits(want)), p
+    with pytest.raises(ConvertedCheckpointError, match="rows padded to a multiple of 8"):
+        load_converted(out, engram_rows_multiple=1)
+
+
+def test_released_engram_tables_take_an_eighth_per_device_on_expert8_once_padded():
+    released = ModelArgs.from_json(REPO / "tests" / "data" / "released_config.json")
+    sizes = shd.parse_mesh_spec("expert=8,data=1")
+    assert engram_rows_multiple(sizes) == 8
+
+    def per_device_bytes(args: ModelArgs, layer: int) -> int:
+        params = nnx.state(nnx.eval_shape(lambda: Engram(layer, args)), nnx.Param)
+        total = 0
+        for kind in ("weight", "scale"):
+            a = params["embed"][kind].get_value()
+            spec = shd.logical_to_spec(("engram_rows", "engram_dim"), a.shape, sizes, name=f"layers.{layer}.{kind}")
+            split = 1 if spec[0] is None else int(np.prod([sizes[x] for x in spec[0]]))
+            total += a.shape[0] // split * a.shape[1] * a.dtype.itemsize
+        return total
+
+    # layer 14: 384,016,682 rows x (256 + 8) bytes, replicated as shipped; padded to 384,016,688, an eighth each
+    assert per_device_bytes(released, 14) == 384_016_682 * 264 == 101_380_404_048
+    assert per_device_bytes(released.replace(engram_rows_multiple=8), 14) == 384_016_688 // 8 * 264 == 12_672_550_704
+    # layer 1 (384,006,168 = 8 x 48,000,771 rows) splits either way and gets no padding
+    assert per_device_bytes(released, 1) == per_device_bytes(released.replace(engram_rows_multiple=8), 1) == \
+        384_006_168 // 8 * 264
 
 
 # ------------------------------------------------------------------------ atomicity, resume
@@ -213,6 +298,71 @@ def test_a_crash_mid_run_leaves_nothing_that_loads_and_resume_finishes_it(tmp_pa
     _assert_params_bit_equal(_params(model), _direct(tiny_hub, tiny_args))
 
 
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# Orbax stamps these two files of every save with the time; everything else is a function of the inputs
+_TIMESTAMPED = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def _file_digests(out: Path) -> dict[str, str]:
+    files = {}
+    for rec in (out / "progress").glob("*.json"):
+        files.update(json.loads(rec.read_text())["files"])
+    return {p: d for p, d in files.items() if not p.endswith(_TIMESTAMPED)}
+
+
+def test_resume_rewrites_groups_whose_stored_bytes_no_longer_match_their_checksums(tmp_path, tiny_hub, tiny_args,
+                                                                                  tiny_converted, caplog):
+    out, partial = tmp_path / "out", tmp_path / "out.partial"
+    with pytest.raises(_Crash):
+        convert_checkpoint(tiny_hub, out, progress=False, on_group_done=_crash_after(9))
+    # same-size damage that no shape or record check sees: one bit in an Orbax array chunk, one in a table chunk
+    layer1 = [f for f in (partial / "state" / "layers.1").rglob("*") if f.is_file()]
+    _flip_byte(max(layer1, key=lambda f: f.stat().st_size))
+    _flip_byte(partial / "tables" / "layers.1.engram.embed.weight" / "c" / "0" / "0")
+    with caplog.at_level(logging.WARNING, logger="convert.stream"):
+        summary = convert_checkpoint(tiny_hub, out, progress=False, resume=True)
+    warned = [r.getMessage() for r in caplog.records if "recorded checksums" in r.getMessage()]
+    assert [m.split(":")[0] for m in warned] == ["group layers.1", "group layers.1.engram.embed"]
+    assert summary["groups_skipped"] == 7 and summary["groups_written"] == summary["plan"]["groups"] - 7
+    # the result is the clean conversion's: every file (bar Orbax's timestamps) and every group checksum
+    assert _file_digests(out) == _file_digests(tiny_converted)
+    model, _ = load_converted(out)
+    _assert_params_bit_equal(_params(model), _direct(tiny_hub, tiny_args))
+
+
+_KILLED_CHILD = """
+import os, signal, sys
+from convert import convert_checkpoint
+done = []
+def kill_after(group):
+    done.append(group.name)
+    if len(done) == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+convert_checkpoint(sys.argv[1], sys.argv[2], progress=False, on_group_done=kill_after)
+"""
+
+
+def test_a_killed_conversion_resumes_to_the_same_checkpoint(tmp_path, tiny_hub, tiny_converted):
+    out = tmp_path / "out"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tiny_hub), str(out), "12"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: no cleanup of any kind ran
+    assert not out.exists() and len(list((tmp_path / "out.partial" / "progress").glob("*.json"))) == 12
+    summary = convert_checkpoint(tiny_hub, out, progress=False, resume=True)
+    assert summary["groups_skipped"] == 12
+    assert _file_digests(out) == _file_digests(tiny_converted)
+    # every group carries a checksum; the tables' (no timestamped files) equal the clean run's
+    got, want = ({g["name"]: g["sha256"] for g in read_manifest(d)["groups"]} for d in (out, tiny_converted))
+    assert got.keys() == want.keys() and all(re.fullmatch("[0-9a-f]{64}", v) for v in got.values())
+    assert got["layers.1.engram.embed"] == want["layers.1.engram.embed"]
+
+
 def test_resume_refuses_a_run_with_different_options(tmp_path, tiny_hub):
     out = tmp_path / "out"
     with pytest.raises(_Crash):
@@ -256,10 +406,11 @@ def prefill():
 
 
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-c"])
-def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logits(tmp_path, name, prefill):
+def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logits(tmp_path, name, prefill, capsys):
     gs = GoldenSet(GOLDEN / name)
     out = tmp_path / name
-    summary = convert_checkpoint(gs.path, out, progress=False)
+    assert main(["--hf-ckpt", str(gs.path), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
     rt = gs.inputs.get("runtime", {})
     converted, args = load_converted(out, max_batch_size=rt.get("max_batch_size", 4),
                                      max_seq_len=rt.get("max_seq_len", 4096))
@@ -267,11 +418,23 @@ def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logi
     direct = load_model(gs)
     _assert_params_bit_equal(_params(converted), _params(direct))
     assert np.array_equal(np.asarray(converted.token_map[...]), np.load(gs.path / "engram_map.npy"))
-    # everything the text model does not hold is dropped with a reason (tiny-c has vision + DSpark)
-    dropped = read_manifest(out)["dropped"]
-    assert summary["plan"]["dropped"] == len(dropped)
-    assert all(n.startswith(("vision.", "aligner.", "image_", "mtp.")) for n in dropped)
+    # everything the text model does not hold is dropped with its prefix's reason, recorded and printed
+    # (tiny-c has vision + DSpark); each hub tensor is converted or dropped, never both, never neither
+    manifest = read_manifest(out)
+    dropped = manifest["dropped"]
+    assert set(DROP_REASONS) == set(NOT_IN_TEXT_MODEL)
+    assert all(reason == next(r for p, r in DROP_REASONS.items() if n.startswith(p)) for n, reason in dropped.items())
     assert (len(dropped) > 0) == (name == "tiny-c")
+    assert f"{len(dropped)} hub tensors dropped" in printed
+    summary = manifest["dropped_summary"]
+    assert sum(row["tensors"] for row in summary) == len(dropped)
+    for row in summary:
+        assert f"dropped {row['tensors']} tensors {row['prefix']} " in printed and row["reason"] in printed
+    if name == "tiny-c":
+        assert {row["prefix"] for row in summary} >= {"mtp.*", "vision.*"}
+    consumed = [n for rec in (out / "progress").glob("*.json") for n in json.loads(rec.read_text())["consumed"]]
+    assert len(consumed) == len(set(consumed)) and not set(consumed) & dropped.keys()
+    assert set(consumed) | dropped.keys() == set(HubCheckpoint(gs.path).names())
     # one executable for both (same shardings), so any difference would come from the weights
     graph, state = nnx.split(direct)
     direct = nnx.merge(graph, jax.device_put(state, jax.tree.map(lambda a: a.sharding, nnx.state(converted))))
@@ -283,36 +446,67 @@ def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logi
 
 _SHARDED_CHILD = """
 import json, sys
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from convert import convert_checkpoint
 from dsv41_jax import sharding as shd
 from dsv41_jax.checkpoint_io import load_converted
 from dsv41_jax.loading import module_param_paths
 from dsv41_jax.parity import GoldenSet, load_model
 gs = GoldenSet(sys.argv[1])
-convert_checkpoint(gs.path, sys.argv[2], mesh="expert=4,data=2", progress=False)
 args = gs.args
-mesh = shd.make_mesh("expert=4,data=2", args=args)
-model, _ = load_converted(sys.argv[2], mesh, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
-got = module_param_paths(model)
-want = module_param_paths(load_model(gs))
-specs = shd.param_partition_specs(args, mesh)
+prefill = nnx.jit(lambda model, ids: model(ids))
+ids = jnp.asarray(gs["inputs.prompt"], jnp.int32)
+direct = load_model(gs)
+want = {p: np.asarray(v[...]) for p, v in module_param_paths(direct).items()}
+want_logits = np.asarray(prefill(direct, ids))  # one device, hub weights, unpadded tables
 bits = lambda a: np.asarray(a).view(np.uint8)
-report = {
-    "unequal": [p for p in want if not np.array_equal(bits(got[p][...]), bits(want[p][...]))],
-    "misplaced": [p for p in got if got[p][...].sharding.spec != specs[p] and
-                  not (all(e is None for e in specs[p]) and got[p][...].sharding.is_fully_replicated)],
-    "shard_rows": got["layers.3.ffn.experts.w1.weight"][...].addressable_shards[0].data.shape[0],
-    "n_devices": len(got["layers.3.ffn.experts.w1.weight"][...].sharding.device_set),
-}
+report = {}
+for spec, with_logits in json.loads(sys.argv[3]):
+    out = sys.argv[2] + "/" + spec.replace(",", "_").replace("=", "")
+    convert_checkpoint(gs.path, out, mesh=spec, progress=False)
+    mesh = shd.make_mesh(spec, args=args)
+    model, margs = load_converted(out, mesh, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+    got = module_param_paths(model)
+    specs = shd.param_partition_specs(margs, mesh, strict=True)  # strict: every rule applies in full
+    unequal = []
+    for p, w in want.items():
+        g = np.asarray(got[p][...])
+        same = np.array_equal(bits(g), bits(w)) if g.shape == w.shape else (  # padded table: hub rows, zero rows
+            ".engram.embed." in p and np.array_equal(bits(g[: len(w)]), bits(w)) and not bits(g[len(w):]).any())
+        if not same:
+            unequal.append(p)
+    report[spec] = {
+        "unequal": unequal,
+        "misplaced": [p for p in got if got[p][...].sharding.spec != specs[p] and
+                      not (all(e is None for e in specs[p]) and got[p][...].sharding.is_fully_replicated)],
+        "expert_shard": got["layers.3.ffn.experts.w1.weight"][...].addressable_shards[0].data.shape[0],
+        "table_rows": [got[f"layers.{l}.engram.embed.weight"][...].shape[0] for l in args.engram_layer_ids],
+        "table_shard": [got[f"layers.{l}.engram.embed.weight"][...].addressable_shards[0].data.shape[0]
+                        for l in args.engram_layer_ids],
+        "n_devices": len(got["layers.3.ffn.experts.w1.weight"][...].sharding.device_set),
+    }
+    if with_logits:
+        report[spec]["logits_equal"] = bool(np.array_equal(np.asarray(prefill(model, ids)), want_logits))
 print("REPORT " + json.dumps(report))
 """
 
 
-def test_conversion_on_an_eight_device_mesh_restores_each_param_into_its_rule_sharding(tmp_path):
+def test_conversions_for_several_eight_device_meshes_restore_their_rule_shardings_and_give_identical_logits(tmp_path):
+    """tiny-a's tables have 3252 and 3496 rows; 3252 is padded to 3256 so that both split 8 ways
+    (every mesh of 8 devices: the rule splits tables over all axes). Logits are compared bit for
+    bit with the single-device model loaded from the hub (measured: equal on every mesh)."""
+    meshes = [("expert=8", True), ("expert=4,data=2", False), ("data=2,expert=2,tensor=2", True)]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD, str(GOLDEN / "tiny-a"), str(tmp_path / "out")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD, str(GOLDEN / "tiny-a"), str(tmp_path),
+                           json.dumps(meshes)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[7:])
-    assert report == {"unequal": [], "misplaced": [], "shard_rows": 2, "n_devices": 8}
+    common = {"unequal": [], "misplaced": [], "table_rows": [3256, 3496], "table_shard": [407, 437], "n_devices": 8}
+    assert report == {
+        "expert=8": {**common, "expert_shard": 1, "logits_equal": True},
+        "expert=4,data=2": {**common, "expert_shard": 2},
+        "data=2,expert=2,tensor=2": {**common, "expert_shard": 4, "logits_equal": True},
+    }

@@ -204,6 +204,62 @@ def test_engram_parameters_match_the_hub_inventory_at_released_size(released):
         assert params[name].dtype == tags[tag], name
 
 
+def test_hash_ids_stay_below_the_real_table_rows_so_padding_rows_are_never_read(released):
+    """dsv41-convert pads the tables (e.g. layer 14: 384,016,682 -> 384,016,688 rows on 8 devices);
+    the padding is safe because every hash id of column c lies in [offsets[c], offsets[c] + primes[c])
+    (floor-mod by primes[c], checked against numpy in the test above), and those ranges tile
+    exactly the table's real rows."""
+    layout = eg.EngramLayout.from_args(released)
+    for t, rows in enumerate(released.engram_num_embeddings):
+        ends = [o + p for o, p in zip(layout.offsets[t], layout.primes[t])]
+        assert list(layout.offsets[t][1:]) == ends[:-1] and layout.offsets[t][0] == 0
+        assert ends[-1] == rows
+        assert eg.stored_table_rows(rows, 8) >= rows
+    assert eg.stored_table_rows(384016682, 8) == 384016688 and eg.stored_table_rows(384006168, 8) == 384006168
+    # hashes of n-grams over the extreme compressed ids and random ones stay inside their ranges
+    from dsv41_jax.synthetic import synthetic_token_map
+
+    token_map = synthetic_token_map(released, seed=1)
+    raw_of = {int(c): r for r, c in enumerate(token_map)}
+    n = released.engram_compressed_vocab_size
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, released.vocab_size, size=(2, 192)).astype(np.int32)
+    ids[0, :64] = [raw_of[c] for c in np.tile([0, n - 1, n - 2, 1], 16)]
+    history = eg.new_engram_history(2, 192)
+    hashes, _ = _hash(jnp.asarray(ids), 0, history, None, layout, jnp.asarray(token_map))
+    hashes = np.asarray(hashes)  # [b, s, layer, col]
+    lo = np.asarray(layout.offsets)
+    hi = lo + np.asarray(layout.primes)
+    assert (hashes >= lo).all() and (hashes < hi).all()
+    assert (hashes.max(axis=(0, 1, 3)) < np.asarray(released.engram_num_embeddings)).all()
+
+
+def test_padded_table_rows_change_no_output_and_read_as_zero(golden):
+    """The model built with padded tables (engram_rows_multiple) gives bit-identical Engram outputs
+    even with garbage in the padding rows, and an id in the padding reads a zero row."""
+    args = golden.args
+    padded_args = args.replace(engram_rows_multiple=8)
+    rows = args.engram_num_embeddings
+    assert any(r % 8 for r in rows)  # at least one table of each golden set gets padding rows
+    for table, layer in enumerate(args.engram_layer_ids):
+        plain = _loaded_engram(golden, layer)
+        module = eg.Engram(layer, padded_args)
+        load_hub_weights(module, golden.path, f"layers.{layer}.engram.")
+        stored = eg.stored_table_rows(rows[table], 8)
+        assert module.embed.weight.shape[0] == stored and module.embed.rows == rows[table]
+        w = np.asarray(module.embed.weight[...]).view(np.uint8).copy()
+        assert not w[rows[table]:].any()  # the loader pads with zero bytes
+        w[rows[table]:] = 0x7E  # e4m3 448: would be loud if any lookup read it
+        module.embed.weight.set_value(jnp.asarray(w.view(jnp.float8_e4m3fn)))
+        x = jnp.asarray(golden[f"prefill.block_out.L{layer - 1:02d}"])
+        hashes = jnp.asarray(golden["prefill.engram_hashes"][..., table, :])
+        run = nnx.jit(lambda m, x, h: m(x, h))
+        assert np.array_equal(np.asarray(run(module, x, hashes)).view(np.uint16),
+                              np.asarray(run(plain, x, hashes)).view(np.uint16)), f"layer {layer}"
+        pad_ids = jnp.arange(rows[table], stored + 1, dtype=jnp.int32)
+        assert stored == rows[table] or not np.asarray(module.embed(pad_ids), np.float32).any()
+
+
 def test_engram_layer_outside_engram_layer_ids_is_rejected():
     with pytest.raises(ValueError, match="layer 2 is not in engram_layer_ids"):
         eg.Engram(2, ModelArgs.tiny())
