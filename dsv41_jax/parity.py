@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.attention import previous_call_index_k_owner
+from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
+from dsv41_jax.engram import engram_hash
 from dsv41_jax.loading import load_hub_weights
 from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.model import Transformer
@@ -102,8 +105,6 @@ def _logits(model, x, pre_mix):
 
 @nnx.jit
 def _hashes(model, ids, mask):
-    from dsv41_jax.engram import engram_hash
-
     history = jnp.zeros((ids.shape[0], model.args.max_seq_len), jnp.int32)
     return engram_hash(ids, 0, history, mask, model.engram_layout, model.token_map[...])[0]
 
@@ -160,6 +161,169 @@ def teacher_forced_prefill(model: Transformer, gs: GoldenSet, n_layers: int | No
 
 
 _AUX_NAMES = {"kv_state": "compressor_kv_state", "score_state": "compressor_score_state"}
+
+
+# ------------------------------------------------------------------------------------ decode
+
+# golden prefix of a decode run -> reference_compat
+DECODE_MODES = {"decode_fixed": False, "decode": True}
+# columns the reference does not have in decode (it scores only the visible (pos+1)//r rows):
+# what the port must hold there, and what the golden arrays pad with
+_PADDED = {"candidates": False, "index_score": -np.inf, "cand_block_score": -np.inf}
+# golden decode keys that are inputs of the run, not results
+_DECODE_INPUTS = ("input", "start_pos", "index_width")
+
+
+def _tag(i: int) -> str:
+    return f"L{i:02d}"
+
+
+def _bf16(a) -> jax.Array:
+    return jnp.asarray(np.asarray(a), jnp.bfloat16)
+
+
+@nnx.jit
+def _tf_prefill(model, ids, token_types, cache, xs, pres, eng):
+    """Every block's cached prefill on its golden input (xs / pres / eng: per layer)."""
+    b, s = ids.shape
+    lengths = jnp.full((b,), s, jnp.int32)
+    image_mask = None if token_types is None else token_types >= 0
+    engram_mask = None if image_mask is None else ~image_mask
+    cache, layers = dict(cache), list(cache["layers"])
+    if model.engram_layout is not None:
+        _, cache["engram_history"] = engram_hash(
+            ids, 0, cache["engram_history"], engram_mask, model.engram_layout, model.token_map[...])
+    shared: dict = {}
+    for i, layer in enumerate(model.layers):
+        x = eng[i] if layer.engram is not None else xs[i]  # prefill Engram parity: teacher_forced_prefill
+        _, _, shared, layers[i], _ = layer.prefill(x, pres[i], shared, image_mask, layers[i], lengths)
+    cache["layers"], cache["seq_len"] = layers, lengths
+    return cache
+
+
+@nnx.jit
+def _tf_decode(model, ids, pos, cache, xs, pres, eng, final, compat):
+    """One decode step with every block on its golden input; `compat` is a traced bool, so one
+    compiled program serves both modes. Returns (golden-named arrays, cache)."""
+    a = model.args
+    cache, layers = dict(cache), list(cache["layers"])
+    rec = {"h0": model.embed(ids)[:, None]}
+    if model.engram_layout is not None:
+        hashes, cache["engram_history"] = model.decode_hashes(ids, pos, cache["engram_history"])
+        rec["engram_hashes"] = hashes
+    shared = {}
+    if a.kv_source_layers and a.compress_ratios[a.kv_source_layers[-1]] == 1:
+        # what the reference's pointer holds when the call starts (read only in compat mode)
+        owner = previous_call_index_k_owner(a)
+        shared = {"index_k": layers[owner]["index_k"], "index_k_owner": jnp.full(ids.shape, owner, jnp.int32)}
+    for i, layer in enumerate(model.layers):
+        x = xs[i]
+        if layer.engram is not None:
+            rec[f"engram_out.{_tag(i)}"] = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], None)
+            x = eng[i]
+        out, pre, shared, layers[i], aux = layer.decode(x, pres[i], shared, layers[i], pos, compat)
+        rec[f"block_out.{_tag(i)}"], rec[f"block_premix.{_tag(i)}"] = out, pre
+        rec.update({f"{_AUX_NAMES.get(k, k)}.{_tag(i)}": v for k, v in aux.items()})
+    rec["logits"] = model.logits(*final)
+    cache["layers"], cache["seq_len"] = layers, pos + 1
+    return rec, cache
+
+
+def _prefill_teacher(gs: GoldenSet):
+    a = gs.args
+    h0 = _bf16(gs["prefill.h0"])
+    b, s = h0.shape[:2]
+    xs = [jnp.broadcast_to(h0[:, :, None, :], (b, s, a.hc_mult, a.dim))]
+    xs += [_bf16(gs[f"prefill.block_out.{_tag(i - 1)}"]) for i in range(1, a.n_layers)]
+    pres = [identity_pre_mix(b, s, a.hc_mult)] + [jnp.asarray(gs[f"prefill.block_premix.{_tag(i - 1)}"])
+                                                   for i in range(1, a.n_layers)]
+    eng = {i: _bf16(gs[f"prefill.engram_out.{_tag(i)}"]) for i in a.engram_layer_ids}
+    return xs, pres, eng
+
+
+def _step_teacher(gs: GoldenSet, prefix: str, t: int):
+    a = gs.args
+    h0 = _bf16(gs["decode.h0"][t])  # [b, 1, d]
+    b = h0.shape[0]
+    xs = [jnp.broadcast_to(h0[:, :, None, :], (b, 1, a.hc_mult, a.dim))]
+    xs += [_bf16(gs[f"{prefix}.block_out.{_tag(i - 1)}"][t]) for i in range(1, a.n_layers)]
+    pres = [identity_pre_mix(b, 1, a.hc_mult)] + [jnp.asarray(gs[f"{prefix}.block_premix.{_tag(i - 1)}"][t])
+                                                  for i in range(1, a.n_layers)]
+    eng = {i: _bf16(gs[f"{prefix}.engram_out.{_tag(i)}"][t]) for i in a.engram_layer_ids}
+    last = _tag(a.n_layers - 1)
+    final = (_bf16(gs[f"{prefix}.block_out.{last}"][t]), jnp.asarray(gs[f"{prefix}.block_premix.{last}"][t]))
+    return xs, pres, eng, final
+
+
+def teacher_forced_cache(model: Transformer, gs: GoldenSet) -> dict:
+    """The cache (`dsv41_jax.cache`) after a teacher-forced prefill of the golden prompt: every
+    block's cached prefill on its golden input."""
+    ids = jnp.asarray(gs["inputs.prompt"], jnp.int32)
+    tt = gs.token_types()
+    cache = init_cache(gs.args, ids.shape[0], gs.args.max_seq_len)
+    return _tf_prefill(model, ids, None if tt is None else jnp.asarray(tt), cache, *_prefill_teacher(gs))
+
+
+def teacher_forced_decode(model: Transformer, gs: GoldenSet, prefix: str,
+                          cache: dict | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The golden decode steps teacher-forced (SPEC §20): the caches seeded by a teacher-forced
+    prefill (`teacher_forced_cache`, or `cache`) flow from step to step while every block gets the
+    golden input of its step. prefix "decode_fixed" runs the default mode, "decode"
+    reference_compat (`DECODE_MODES`).
+
+    Returns (port arrays keyed like expected.npz, stacked over steps, without the `.bf16` suffix;
+    problems found while bringing them to the golden shapes - each one a failure).
+    """
+    if prefix not in DECODE_MODES:
+        raise ValueError(f"decode prefix must be one of {sorted(DECODE_MODES)}, got {prefix!r}")
+    if "decode.start_pos" not in gs:
+        raise KeyError(f"golden set {gs.path} has no decode steps (decode.start_pos)")
+    cache = teacher_forced_cache(model, gs) if cache is None else cache
+    compat = jnp.asarray(DECODE_MODES[prefix])
+    steps = []
+    for t in range(len(gs["decode.start_pos"])):
+        ids = jnp.asarray(gs["decode.input"][t], jnp.int32)
+        pos = jnp.full(ids.shape, int(gs["decode.start_pos"][t]), jnp.int32)
+        rec, cache = _tf_decode(model, ids, pos, cache, *_step_teacher(gs, prefix, t), compat)
+        steps.append(jax.tree.map(np.asarray, rec))
+    rec = {k: np.stack([s[k] for s in steps]) for k in steps[0]}
+    return _golden_shaped(gs, prefix, rec)
+
+
+def _golden_shaped(gs: GoldenSet, prefix: str, rec: dict) -> tuple[dict[str, np.ndarray], list[str]]:
+    port, problems = {}, []
+    for key, v in rec.items():
+        kind = key.split(".")[0]
+        name = f"decode.{key}" if kind in ("h0", "engram_hashes") else f"{prefix}.{key}"  # inputs of both runs
+        if kind == "index_k_owner":  # [T, b]: one layer per step, the same for every row here
+            if not np.all(v == v[:, :1]):
+                problems.append(f"{name}: rows read different owners {v.tolist()}")
+            v = v[:, 0].astype(np.int64)
+        elif kind in _PADDED:
+            if name not in gs:  # the golden run did not record it (decode_fixed.index_score, ...)
+                continue
+            w = gs[name].shape[-1]
+            if not np.all(v[..., w:] == _PADDED[kind]):
+                problems.append(f"{name}: columns past the reference's width {w} are not {_PADDED[kind]}")
+            v = v[..., :w]
+        elif kind in ("route_idx", "route_w"):
+            v = v.reshape(gs[name].shape) if name in gs else v
+        elif kind == "engram_hashes":
+            v = v.astype(np.int64)
+        port[name] = v
+    port[f"{prefix}.next_token"] = port[f"{prefix}.logits"].argmax(-1).astype(np.int64)
+    return port, problems
+
+
+def expected_decode_keys(gs: GoldenSet, prefix: str) -> set[str]:
+    """Golden keys of a decode run that the port computes: all `prefix.*` results (not the run's
+    inputs, not the DSpark head's arrays, which belong to the draft head, not the backbone)."""
+    keys = set()
+    for k in gs.keys():
+        k = k.removesuffix(".bf16")
+        if k.startswith(prefix + ".") and k.split(".")[1] not in _DECODE_INPUTS and ".dspark_" not in k:
+            keys.add(k)
+    return keys
 
 
 # ------------------------------------------------------------------------------------ compare
@@ -239,6 +403,42 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
     return out
 
 
+def run_parity(gs: GoldenSet) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+    """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
+    has decode steps, both decode runs over caches seeded by the prefill.
+
+    Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
+    the port is expected to compute)."""
+    model = load_model(gs)
+    port = teacher_forced_prefill(model, gs)
+    expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
+    problems = []
+    if "decode.start_pos" in gs:
+        cache = teacher_forced_cache(model, gs)
+        for prefix in DECODE_MODES:
+            decoded, found = teacher_forced_decode(model, gs, prefix, cache)
+            port.update(decoded)
+            problems += found
+            expected |= expected_decode_keys(gs, prefix)
+    return port, problems, expected
+
+
+def report(port: dict[str, np.ndarray], problems: list[str], expected: set[str], gs: GoldenSet) -> int:
+    """Prints the table (array, max abs err, err/RMS, ok) and the problems; returns the exit
+    code: 1 if an array fails, a problem was found or an expected array was not computed."""
+    rows = compare(port, gs)
+    width = max(len(r[0]) for r in rows)
+    print(f"{'array':<{width}}  {'max abs err':>12}  {'err/RMS':>10}  ok")
+    for key, ok, dmax, rel in rows:
+        print(f"{key:<{width}}  {dmax:12.4g}  {rel:10.3g}  {'ok' if ok else 'FAIL'}")
+    for problem in problems:
+        print(f"FAIL {problem}")
+    failed = [r[0] for r in rows if not r[1]]
+    missing = sorted(expected - set(port))
+    print(f"{len(rows) - len(failed)}/{len(rows)} arrays ok" + (f"; not computed: {missing}" if missing else ""))
+    return 1 if failed or problems or missing else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv41_jax.parity", description=__doc__.split("\n\n")[0])
     p.add_argument("golden_dir", help="golden set directory (checkpoint + config.json + inputs.json + expected.npz)")
@@ -249,19 +449,10 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = load_model(gs)
-    port = teacher_forced_prefill(model, gs)
-    rows = compare(port, gs)
+    port, problems, expected = run_parity(gs)
     if ns.out:
         np.savez(ns.out, **encode(port, gs))
-    width = max(len(r[0]) for r in rows)
-    print(f"{'array':<{width}}  {'max abs err':>12}  {'err/RMS':>10}  ok")
-    for key, ok, dmax, rel in rows:
-        print(f"{key:<{width}}  {dmax:12.4g}  {rel:10.3g}  {'ok' if ok else 'FAIL'}")
-    failed = [r[0] for r in rows if not r[1]]
-    missing = sorted(k for k in gs.keys() if re.match(r"prefill\.", k) and k.removesuffix(".bf16") not in port)
-    print(f"{len(rows) - len(failed)}/{len(rows)} arrays ok" + (f"; not computed: {missing}" if missing else ""))
-    return 1 if failed else 0
+    return report(port, problems, expected, gs)
 
 
 if __name__ == "__main__":

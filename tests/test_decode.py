@@ -24,16 +24,11 @@ from dsv41_jax import parity
 from dsv41_jax.attention import previous_call_index_k_owner
 from dsv41_jax.cache import cache_bytes, init_cache, seed_group_state, seed_window, write_row
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.engram import engram_hash
-from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.parity import GoldenSet, load_model
 
 DATA = Path(__file__).parent / "data"
-MODES = {"decode_fixed": False, "decode": True}  # golden prefix -> reference_compat
+MODES = parity.DECODE_MODES  # golden prefix -> reference_compat
 _RENAME = {"kv_state": "compressor_kv_state", "score_state": "compressor_score_state"}
-# columns the reference does not have in decode (it scores only the visible (pos+1)//r rows):
-# what the port must hold there, and what the golden arrays pad with
-_PADDED = {"candidates": False, "index_score": -np.inf, "cand_block_score": -np.inf}
 
 
 @functools.cache
@@ -45,130 +40,15 @@ def _tag(i: int) -> str:
     return f"L{i:02d}"
 
 
-def _bf16(a) -> jax.Array:
-    return jnp.asarray(np.asarray(a), jnp.bfloat16)
-
-
-# --------------------------------------------------------------------- teacher-forced runners
-
-
-@nnx.jit
-def _tf_prefill(model, ids, token_types, cache, xs, pres, eng):
-    """Every block's prefill on its golden input (xs / pres / eng: per layer), seeding the cache."""
-    b, s = ids.shape
-    lengths = jnp.full((b,), s, jnp.int32)
-    image_mask = None if token_types is None else token_types >= 0
-    engram_mask = None if image_mask is None else ~image_mask
-    cache, layers = dict(cache), list(cache["layers"])
-    if model.engram_layout is not None:
-        _, cache["engram_history"] = engram_hash(
-            ids, 0, cache["engram_history"], engram_mask, model.engram_layout, model.token_map[...])
-    shared: dict = {}
-    for i, layer in enumerate(model.layers):
-        x = xs[i]
-        if layer.engram is not None:
-            x = eng[i]  # hashes feed only the cache history here; prefill Engram parity is tested elsewhere
-        _, _, shared, layers[i], _ = layer.prefill(x, pres[i], shared, image_mask, layers[i], lengths)
-    cache["layers"], cache["seq_len"] = layers, lengths
-    return cache
-
-
-@nnx.jit
-def _tf_decode(model, ids, pos, cache, xs, pres, eng, final, compat):
-    """One decode step with every block on its golden input; `compat` is a traced bool, so one
-    compiled program serves both modes. Returns (golden-named arrays, cache)."""
-    a = model.args
-    cache, layers = dict(cache), list(cache["layers"])
-    rec = {"h0": model.embed(ids)[:, None]}
-    if model.engram_layout is not None:
-        hashes, cache["engram_history"] = model.decode_hashes(ids, pos, cache["engram_history"])
-        rec["engram_hashes"] = hashes
-    # what the reference's pointer holds when the call starts (read only in compat mode)
-    owner = previous_call_index_k_owner(a)
-    shared = {"index_k": layers[owner]["index_k"], "index_k_owner": jnp.full(ids.shape, owner, jnp.int32)}
-    for i, layer in enumerate(model.layers):
-        x = xs[i]
-        if layer.engram is not None:
-            rec[f"engram_out.{_tag(i)}"] = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], None)
-            x = eng[i]
-        out, pre, shared, layers[i], aux = layer.decode(x, pres[i], shared, layers[i], pos, compat)
-        rec[f"block_out.{_tag(i)}"], rec[f"block_premix.{_tag(i)}"] = out, pre
-        rec.update({f"{_RENAME.get(k, k)}.{_tag(i)}": v for k, v in aux.items()})
-    rec["logits"] = model.logits(*final)
-    cache["layers"], cache["seq_len"] = layers, pos + 1
-    return rec, cache
-
-
-def _prefill_teacher(gs: GoldenSet):
-    a = gs.args
-    h0 = _bf16(gs["prefill.h0"])
-    b, s = h0.shape[:2]
-    xs = [jnp.broadcast_to(h0[:, :, None, :], (b, s, a.hc_mult, a.dim))]
-    xs += [_bf16(gs[f"prefill.block_out.{_tag(i - 1)}"]) for i in range(1, a.n_layers)]
-    pres = [identity_pre_mix(b, s, a.hc_mult)] + [jnp.asarray(gs[f"prefill.block_premix.{_tag(i - 1)}"])
-                                                   for i in range(1, a.n_layers)]
-    eng = {i: _bf16(gs[f"prefill.engram_out.{_tag(i)}"]) for i in a.engram_layer_ids}
-    return xs, pres, eng
-
-
-def _step_teacher(gs: GoldenSet, prefix: str, t: int):
-    a = gs.args
-    h0 = _bf16(gs["decode.h0"][t])  # [b, 1, d]
-    b = h0.shape[0]
-    xs = [jnp.broadcast_to(h0[:, :, None, :], (b, 1, a.hc_mult, a.dim))]
-    xs += [_bf16(gs[f"{prefix}.block_out.{_tag(i - 1)}"][t]) for i in range(1, a.n_layers)]
-    pres = [identity_pre_mix(b, 1, a.hc_mult)] + [jnp.asarray(gs[f"{prefix}.block_premix.{_tag(i - 1)}"][t])
-                                                  for i in range(1, a.n_layers)]
-    eng = {i: _bf16(gs[f"{prefix}.engram_out.{_tag(i)}"][t]) for i in a.engram_layer_ids}
-    last = _tag(a.n_layers - 1)
-    final = (_bf16(gs[f"{prefix}.block_out.{last}"][t]), jnp.asarray(gs[f"{prefix}.block_premix.{last}"][t]))
-    return xs, pres, eng, final
-
-
 @functools.cache
 def _prefilled(path: str):
-    gs = GoldenSet(path)
-    ids = jnp.asarray(gs["inputs.prompt"], jnp.int32)
-    tt = gs.token_types()
-    cache = init_cache(gs.args, ids.shape[0], gs.args.max_seq_len)
-    return _tf_prefill(_model(path), ids, None if tt is None else jnp.asarray(tt), cache, *_prefill_teacher(gs))
+    return parity.teacher_forced_cache(_model(path), GoldenSet(path))
 
 
 @functools.cache
 def _decoded(path: str, prefix: str):
-    """The teacher-forced decode of all golden steps: (port arrays keyed like the golden set,
-    problems found while bringing them to the golden shapes)."""
-    gs, model = GoldenSet(path), _model(path)
-    cache = _prefilled(path)
-    steps = []
-    for t in range(len(gs["decode.start_pos"])):
-        ids = jnp.asarray(gs["decode.input"][t], jnp.int32)
-        pos = jnp.full(ids.shape, int(gs["decode.start_pos"][t]), jnp.int32)
-        rec, cache = _tf_decode(model, ids, pos, cache, *_step_teacher(gs, prefix, t), jnp.asarray(MODES[prefix]))
-        steps.append(jax.tree.map(np.asarray, rec))
-    rec = {k: np.stack([s[k] for s in steps]) for k in steps[0]}
-    return _golden_shaped(gs, prefix, rec)
-
-
-def _golden_shaped(gs: GoldenSet, prefix: str, rec: dict):
-    port, problems = {}, []
-    for key, v in rec.items():
-        kind = key.split(".")[0]
-        name = f"decode.{key}" if kind in ("h0", "engram_hashes") else f"{prefix}.{key}"  # inputs of both runs
-        if kind == "index_k_owner":  # [T, b]: one layer per step, the same for every row here
-            if not np.all(v == v[:, :1]):
-                problems.append(f"{key}: rows read different owners {v.tolist()}")
-            v = v[:, 0].astype(np.int64)
-        elif kind in _PADDED and name in gs:
-            w = gs[name].shape[-1]
-            if not np.all(v[..., w:] == _PADDED[kind]):
-                problems.append(f"{key}: columns past the reference's width {w} are not {_PADDED[kind]}")
-            v = v[..., :w]
-        elif kind in ("route_idx", "route_w"):
-            v = v.reshape(gs[name].shape) if name in gs else v
-        port[name] = v
-    port[f"{prefix}.next_token"] = port[f"{prefix}.logits"].argmax(-1).astype(np.int64)
-    return port, problems
+    """The teacher-forced decode of all golden steps (`parity.teacher_forced_decode`)."""
+    return parity.teacher_forced_decode(_model(path), GoldenSet(path), prefix, _prefilled(path))
 
 
 def _assert_all_ok(rows, label, allowed=()):
@@ -320,6 +200,47 @@ def test_decode_block_outputs_are_bit_identical_except_rare_rounding_flips(golde
             key = f"{prefix}.block_out.{_tag(i)}"
             frac = float(np.mean(port[key].astype(np.float32) != golden[key].astype(np.float32)))
             assert frac <= MAX_DIFFERING_FRACTION, f"{golden.name} {key}: {frac:.2%} of elements differ"
+
+
+def test_parity_cli_writes_both_decode_runs_under_golden_names_and_fails_on_a_wrong_one(tmp_path, capsys):
+    gs = GoldenSet(DATA / "golden" / "tiny-a")
+    out = tmp_path / "result.npz"
+    assert parity.main([str(gs.path), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "FAIL" not in table and "not computed" not in table
+    res = np.load(out)
+    for prefix in MODES:
+        port, _ = _decoded(str(gs.path), prefix)
+        want = parity.expected_decode_keys(gs, prefix)
+        written = {k.removesuffix(".bf16") for k in res.files if k.startswith(prefix + ".")}
+        assert written == want
+        for key in want:
+            name = key + ".bf16" if key + ".bf16" in gs.keys() else key
+            assert res[name].shape == gs._npz[name].shape and res[name].dtype == gs._npz[name].dtype, name
+            assert f"{key} " in table, key  # a table row
+            got = res[name].view(gs[key].dtype) if name.endswith(".bf16") else res[name]
+            np.testing.assert_array_equal(got, port[key].astype(gs[key].dtype), err_msg=key)  # one implementation
+
+    # the same arrays against the set with one decode step's golden logits shifted: that row
+    # fails and the exit code is 1; a decode array left out is reported and fails too
+    bad = tmp_path / "tampered"
+    bad.mkdir()
+    for f in gs.path.iterdir():
+        if f.name != "expected.npz":
+            (bad / f.name).symlink_to(f)
+    arrays = dict(np.load(gs.path / "expected.npz"))
+    arrays["decode_fixed.logits"] = arrays["decode_fixed.logits"].copy()
+    arrays["decode_fixed.logits"][5] += 0.05
+    np.savez(bad / "expected.npz", **arrays)
+    port = {k.removesuffix(".bf16"): res[k].view(gs[k.removesuffix(".bf16")].dtype) for k in res.files}
+    expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
+    expected |= parity.expected_decode_keys(gs, "decode") | parity.expected_decode_keys(gs, "decode_fixed")
+    assert parity.report(port, [], expected, GoldenSet(bad)) == 1
+    failed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith("FAIL")]
+    assert failed == ["decode_fixed.logits"]
+    del port["decode.topk.L02"]
+    assert parity.report(port, [], expected, gs) == 1
+    assert "not computed: ['decode.topk.L02']" in capsys.readouterr().out
 
 
 def test_compat_mode_reads_the_ratio1_sources_keys_on_open_group_steps_only(golden):
