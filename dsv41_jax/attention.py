@@ -30,11 +30,11 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax import quant
-from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, write_row
+from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, update_window, write_row, write_rows
 from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_rope, rope_angles, rope_freqs
 from dsv41_jax.numerics import round_bf16, to_bf16
-from pallas_kernels.sparse_attention.reference import sparse_attn
+from pallas_kernels.sparse_attention.api import sparse_attn
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -96,6 +96,25 @@ def window_topk_idxs(window: int, seqlen: int, start_pos) -> jax.Array:
     p = jnp.asarray(start_pos, jnp.int32)
     slots = (jnp.arange(window, dtype=jnp.int32) + p % window + 1) % window
     return jnp.where(slots > p, -1, slots)[None, :]
+
+
+def span_window_idxs(window: int, c: int, start: jax.Array, history: bool) -> jax.Array:
+    """Window-KV indices of a span of c queries at positions start[b] .. start[b]+c-1, int32
+    [b, c, window] (-1 = nothing there).
+
+    Query P lists positions max(0, P-window+1) .. that + window-1 in ascending order, entries
+    beyond P set to -1: the order of a prefill (`window_topk_idxs`), so `sparse_attn` sees the
+    same vectors in the same order. Positions inside the span index the span's own KV, which
+    follows the ring in the KV concat (index window + P - start); earlier positions index their
+    ring slot (P % window) with `history`, or are -1 without (the caller needs only the queries
+    whose window lies inside the span).
+    """
+    p = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [b, c]
+    q = jnp.maximum(p - window + 1, 0)[..., None] + jnp.arange(window, dtype=jnp.int32)  # [b, c, window]
+    st = start[:, None, None]
+    before = jnp.mod(q, window) if history else jnp.full_like(q, -1)
+    idx = jnp.where(q >= st, (window if history else 0) + q - st, before)
+    return jnp.where(q > p[..., None], -1, idx)
 
 
 @functools.partial(jax.jit, static_argnames="window")
@@ -192,6 +211,43 @@ class Compressor(nnx.Module):
         kv_state, score_state = write_row(kv_state, slot, kv), write_row(score_state, slot, score)
         latent = self.norm(to_bf16(pool_groups(kv_state, score_state)))[:, None]
         return latent, (kv_state, score_state), (pos + 1) % self.ratio == 0
+
+    def chunk(self, x: jax.Array, kv_state: jax.Array | None, score_state: jax.Array | None, start: jax.Array,
+              lengths: jax.Array):
+        """A span of tokens per row onto the open group. x bf16 [b, c, dim] at positions start[b] ..
+        start[b]+c-1, the first lengths[b] of them real; states f32 [b, r, hd] holding the
+        start % r tokens of the group start is in (None for ratio 1).
+
+        Returns (latents bf16 [b, G, hd] of groups start // r + g, g < G, complete bool [b, G],
+        (kv_state, score_state) or None). G = c for ratio 1, else the most groups a span of c can
+        touch, (c + r - 2) // r + 1; a group is complete where its last token is real. The new
+        states park the tokens of the group still open after the span, as a prefill of all
+        positions would (`seed_group_state`): slot j < (start + L) % r, fills elsewhere.
+        """
+        if self.ratio == 1:
+            complete = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+            return self.norm(self.wkv(x)), complete, None
+        b, c, _ = x.shape
+        r, hd = self.ratio, self.head_dim
+        g = (c + r - 2) // r + 1
+        xf = round_bf16(x)
+        kv, score = self.wkv(xf), self.wgate(xf)  # f32 [b, c, hd]
+        rem = (start % r)[:, None]  # parked tokens: state slots 0 .. rem-1
+        # token i of the groups touched (positions start - rem + i): state slot i, then the span
+        i = jnp.arange(g * r, dtype=jnp.int32)[None, :]
+        src = jnp.clip(jnp.where(i < rem, i, r + i - rem), 0, r + c - 1)
+        ext_kv = jnp.take_along_axis(jnp.concatenate([kv_state, kv], 1), src[:, :, None], axis=1)
+        ext_score = jnp.take_along_axis(jnp.concatenate([score_state, score], 1), src[:, :, None], axis=1)
+        pooled = pool_groups(ext_kv.reshape(b, g, r, hd), ext_score.reshape(b, g, r, hd))
+        filled = rem + lengths[:, None]  # tokens of the touched groups that are real
+        complete = (jnp.arange(g)[None, :] + 1) * r <= filled
+        # the group left open: its first (filled % r) tokens
+        j = jnp.arange(r, dtype=jnp.int32)[None, :]
+        slot = jnp.clip((filled // r) * r + j, 0, g * r - 1)
+        keep = (j < filled % r)[:, :, None]
+        new_kv = jnp.where(keep, jnp.take_along_axis(ext_kv, slot[:, :, None], axis=1), 0.0)
+        new_score = jnp.where(keep, jnp.take_along_axis(ext_score, slot[:, :, None], axis=1), -jnp.inf)
+        return self.norm(to_bf16(pooled)), complete, (new_kv, new_score)
 
 
 @jax.jit
@@ -319,6 +375,19 @@ class Indexer(nnx.Module):
             out["candidates"] = out["candidates"] & (jnp.arange(index_k.shape[1]) < lens)
         return out
 
+    def chunk(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
+              pos: jax.Array, candidates: jax.Array | None = None) -> dict:
+        """Scores and top-k for a span of queries. x [b, c, dim], qr [b, c, q_lora_rank], index_k
+        bf16 [b, N, ihd] (rows = groups 0..N-1: a cache, or a prefill's keys), cos/sin [b, c, rd/2]
+        at pos int32 [b, c], candidates bool [b, c, N] (layers that use them).
+
+        Query P sees the first (P + 1) // r rows. Returns the keys of `prefill` with width N and
+        "topk" holding the chosen rows themselves (no offset, -1 = none): the reference's rows
+        followed by -1s (see `decode`: the same static-k argument holds per query).
+        """
+        scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
+        return self._select(scores, ((pos + 1) // self.ratio)[..., None], 0, candidates)
+
     def _select(self, scores: jax.Array, lens: jax.Array, offset: int, candidates: jax.Array | None) -> dict:
         """Causal mask (columns >= lens -> -inf), candidate blocks (source) or the candidate mask
         (layers above it), then the ascending top-k. scores bf16 [b, s, W]; lens int broadcasting
@@ -357,6 +426,7 @@ class Attention(nnx.Module):
         self.window = args.window_size
         self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
         self.softmax_scale = args.softmax_scale
+        self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret  # sparse_attn's choice
         self.is_index_source = args.is_index_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.is_candidate_source = args.is_candidate_source(layer_id)
@@ -492,7 +562,8 @@ class Attention(nnx.Module):
         "candidates", "cand_block_score" (shapes as in the golden sets).
         """
         q, kv, idx, shared, aux = self.prefill_operands(x, shared, lengths)
-        o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale)
+        o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
+                        interpret=self.kernels_interpret)
         cos, sin = self.rope(jnp.arange(x.shape[1]))
         return self.output(o, cos, sin), shared, aux
 
@@ -514,6 +585,84 @@ class Attention(nnx.Module):
             if "kv_state" in aux:
                 cache["kv_state"], cache["score_state"] = aux["kv_state"], aux["score_state"]
         return out, shared, cache, aux
+
+    # ------------------------------------------------------------------ spans (chunked prefill)
+
+    def chunk(self, x: jax.Array, shared: dict, cache: dict | None, start: jax.Array, lengths: jax.Array):
+        """A span of queries per row at positions start[b] .. start[b]+c-1, the first lengths[b]
+        real (0 <= L <= c), computing what a prefill of all positions computes there.
+
+        x bf16 [b, c, dim]. With `cache` (this layer's entry of `dsv41_jax.cache`, holding each
+        row's positions < start): a chunk of a chunked prefill. The queries attend over the ring
+        plus the span's window KV and over the compressed rows of the kv source; a source layer
+        first feeds the span to its compressor (carrying the open group over) and writes the
+        completed groups' rows. Returns (out bf16 [b, c, dim], shared, cache, aux) with the ring,
+        compressed rows and states of positions < start + L.
+
+        cache None (decoder-half replay, SPEC §19.1): a layer that owns only window KV run on a
+        suffix of a prefill; window positions before the span are not there, so only queries at
+        P >= start + window - 1 (or all, where start = 0) are exact, and the returned cache entry
+        holds the ring of positions < start + L.
+
+        In `shared`, spans publish and read the cache's conventions ("compress_kv" / "index_k"
+        whole row arrays, "index_k_owner") and per-query arrays of the span they were computed
+        on: "topk" int32 [b, c', k] (compressed rows, no offset, -1 = none) with "topk_start"
+        int32 [b] (the position of its first query row), "candidates" bool [b, c', N] with
+        "candidates_start". A reader takes the rows of its own queries (`rows_at`).
+        aux: "window_kv" (the ring) and, on index sources, the indexer's arrays at width N.
+        """
+        b, c, _ = x.shape
+        history = cache is not None
+        shared, cache, aux = dict(shared), dict(cache or {}), {}
+        for key in self.reads:
+            _require(shared, key, self.layer_id)
+        start = jnp.asarray(start, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [b, c]
+        cos, sin = rope_angles(np.asarray(self.freqs, np.float32), pos)  # [b, c, rd/2]
+        q, qr = self.query(x, cos, sin)
+        kv = self.window_kv(x, cos, sin)
+        ring = cache["window_kv"] if history else jnp.zeros((b, self.window, kv.shape[-1]), kv.dtype)
+        cache["window_kv"] = aux["window_kv"] = update_window(ring, kv, start, start + lengths)
+        keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1) if history else kv
+        idx = span_window_idxs(self.window, c, start, history)
+        if self.ratio:
+            rows, topk = self.compressed_chunk(x, qr, cos, sin, pos, start, lengths, shared, cache, aux)
+            offset = keys.shape[1]
+            keys = jnp.concatenate([keys, rows.astype(kv.dtype)], axis=1)
+            idx = jnp.concatenate([idx, jnp.where(topk >= 0, topk + offset, -1)], axis=-1)
+        o = sparse_attn(q, keys, self.attn_sink[...], idx, self.softmax_scale)
+        return self.output(o, cos, sin), shared, cache, aux
+
+    def compressed_chunk(self, x, qr, cos, sin, pos, start, lengths, shared: dict, cache: dict, aux: dict):
+        """The compressed branch of a span. Updates shared / cache / aux in place. Returns
+        (compressed rows bf16 [b, N, hd] of the kv source, chosen rows int32 [b, c, k], -1 = none)."""
+        c = x.shape[1]
+        if self.role == "source":
+            r = self.ratio
+            latent, complete, states = self.compressor.chunk(x, cache.get("kv_state"), cache.get("score_state"),
+                                                             start, lengths)
+            if states is not None:
+                cache["kv_state"], cache["score_state"] = states
+            group = (start // r)[:, None] + jnp.arange(latent.shape[1], dtype=jnp.int32)[None, :]  # [b, G]
+            gcos, gsin = rope_angles(np.asarray(self.freqs, np.float32), group * r)  # a group's first token
+            # index keys come from the latent BEFORE it is rotated and quantised for the cache
+            cache["index_k"] = write_rows(cache["index_k"], group, self.indexer.keys(latent, gcos, gsin), complete)
+            cache["compress_kv"] = write_rows(cache["compress_kv"], group, self.compress_latent(latent, gcos, gsin),
+                                              complete)
+            shared["compress_kv"], shared["index_k"] = cache["compress_kv"], cache["index_k"]
+            shared["index_k_owner"] = jnp.full(start.shape, self.layer_id, jnp.int32)
+        rows = _require(shared, "compress_kv", self.layer_id)
+        if self.is_index_source:
+            cand = None
+            if self.uses_candidates:
+                cand = rows_at(_require(shared, "candidates", self.layer_id), shared["candidates_start"], start, c)
+            res = self.indexer.chunk(x, qr, _require(shared, "index_k", self.layer_id), cos, sin, pos, cand)
+            aux.update(res)
+            if self.is_candidate_source:
+                shared["candidates"], shared["candidates_start"] = res["candidates"], start
+            shared["topk"], shared["topk_start"] = res["topk"], start
+        return rows, rows_at(_require(shared, "topk", self.layer_id), shared["topk_start"], start, c)
 
     # ------------------------------------------------------------------ decode
 
@@ -547,7 +696,8 @@ class Attention(nnx.Module):
             kv = jnp.concatenate([ring, chosen.astype(ring.dtype)], axis=1)
             local = jnp.where(topk >= 0, self.window + jnp.arange(k, dtype=jnp.int32), -1)
             idx = jnp.concatenate([idx, local], axis=-1)
-        o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale)
+        o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
+                        interpret=self.kernels_interpret)
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_decode(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
@@ -584,6 +734,14 @@ class Attention(nnx.Module):
         cache["compress_kv"] = write_row(cache["compress_kv"], row, self.compress_latent(latent, gcos, gsin)[:, 0], closes)
         shared["compress_kv"] = cache["compress_kv"]
         publish_index_k(shared, cache["index_k"], self.layer_id, closes, reference_compat)
+
+
+def rows_at(arr: jax.Array, arr_start: jax.Array, start: jax.Array, c: int) -> jax.Array:
+    """The query rows of positions start[b] .. start[b]+c-1 from a per-query array arr [b, c', ...]
+    whose row 0 is position arr_start[b] (the span it was computed on contains this one)."""
+    take = (start - arr_start)[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    take = take.reshape(take.shape + (1,) * (arr.ndim - 2))
+    return jnp.take_along_axis(arr, jnp.clip(take, 0, arr.shape[1] - 1), axis=1)
 
 
 # ------------------------------------------------------------------ index-key hand-off (decode)

@@ -133,3 +133,32 @@ def seed_rows(buf: jax.Array, rows: jax.Array) -> jax.Array:
     if n > buf.shape[1]:
         raise ValueError(f"{n} compressed rows do not fit a cache of {buf.shape[1]} rows (max_seq_len too small)")
     return buf.at[:, :n].set(rows.astype(buf.dtype))
+
+
+def write_rows(buf: jax.Array, index: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
+    """buf [B, N, d] with buf[b, index[b, g]] = values[b, g] where mask[b, g].
+
+    index int [B, G] (distinct per row); values [B, G, d]; mask bool [B, G]. Entries with mask
+    False keep the old row; indices >= N (positions past the cache, only ever padding) are dropped.
+    """
+    rows = _rows(buf)[:, None]
+    old = jnp.take_along_axis(buf, jnp.clip(index, 0, buf.shape[1] - 1)[:, :, None], axis=1)
+    values = jnp.where(mask[:, :, None], values.astype(buf.dtype), old)
+    return buf.at[rows, index].set(values, mode="drop")
+
+
+def update_window(ring: jax.Array, kv: jax.Array, start: jax.Array, end: jax.Array) -> jax.Array:
+    """The ring after positions start .. end-1 of each row were added.
+
+    ring [B, window, hd] holding each row's positions < start (slot p % window); kv [B, c, hd]
+    the values of positions start .. start+c-1; start, end int32 [B] with start <= end <=
+    start + c (positions >= end are padding). Slot j then holds the newest position p < end with
+    p % window == j: from kv where p >= start, the old ring where 0 <= p < start, zero where no
+    such position exists (`seed_window` is the case start = 0).
+    """
+    window = ring.shape[1]
+    last = end[:, None] - 1
+    p = last - jnp.mod(last - jnp.arange(window, dtype=jnp.int32)[None, :], window)  # [B, window]
+    got = jnp.take_along_axis(kv, jnp.clip(p - start[:, None], 0, kv.shape[1] - 1)[:, :, None], axis=1)
+    old = jnp.where((p >= 0)[:, :, None], ring, jnp.zeros((), ring.dtype))
+    return jnp.where((p >= start[:, None])[:, :, None], got.astype(ring.dtype), old)

@@ -60,6 +60,7 @@ class Block(nnx.Module):
         return hc_mixes(
             x, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_scale")[...],
             getattr(self, f"hc_{site}_base")[...], norm_eps=a.norm_eps, iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps,
+            implementation=a.kernels, interpret=a.kernels_interpret,
         )
 
     def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend):
@@ -96,6 +97,18 @@ class Block(nnx.Module):
         [b]. Returns (x, pre, shared, cache, aux)."""
         def attend(h):
             out, new_shared, new_cache, aux = self.attn.prefill(h, shared, cache, lengths)
+            return out, (new_shared, new_cache, aux)
+
+        x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
+        return x, pre, shared, cache, {**aux, **moe_aux}
+
+    def chunk(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None,
+              cache: dict | None, start: jax.Array, lengths: jax.Array):
+        """A span of positions start[b] .. start[b]+c-1 per row (see `Attention.chunk`): x
+        [b, c, hc, d], pre_mix [b, c, hc], image_mask [b, c] or None, cache = this layer's entry
+        (None: decoder-half replay). Returns (x, pre, shared, cache, aux)."""
+        def attend(h):
+            out, new_shared, new_cache, aux = self.attn.chunk(h, shared, cache, start, lengths)
             return out, (new_shared, new_cache, aux)
 
         x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
@@ -201,6 +214,68 @@ class Transformer(nnx.Module):
         cache["layers"], cache["seq_len"] = layers, lengths
         return (logits, cache, record) if collect else (logits, cache)
 
+    def prefill_chunk(self, ids: jax.Array, start: jax.Array, lengths: jax.Array | None, cache: dict,
+                      token_types: jax.Array | None = None, embeds: jax.Array | None = None, *,
+                      collect: bool = False):
+        """One chunk of a chunked prefill: row b adds its tokens ids[b, :lengths[b]] at positions
+        start[b] .. onto a cache holding its first start[b] positions (`prefill`, or earlier
+        chunks; start 0 on a fresh cache is a prefill). Chunks of any sizes, boundaries anywhere
+        (inside compressor groups too), compute what one prefill of all the tokens computes: the
+        queries attend over the window ring plus the chunk and over the cached compressed rows,
+        and source layers carry their compressor's open group over.
+
+        ids int [b, c] (right-padded), start int32 [b] (each row's cache["seq_len"]), lengths
+        int32 [b] with 0 <= L <= c (None: all c; 0 leaves the row unchanged), start + L <=
+        max_seq_len; token_types / embeds [b, c(, d)] as `prefill`.
+        Returns (logits f32 [b, V] at each row's last real position of the chunk (rows with L = 0:
+        meaningless), cache with seq_len = start + lengths), plus per-layer intermediates with
+        collect (aux arrays at the chunk's shapes: topk holds compressed rows, not offsets).
+        """
+        b, c = ids.shape
+        start = jnp.asarray(start, jnp.int32)
+        lengths = jnp.full((b,), c, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        _check_chunk(start, lengths, c, cache_max_seq_len(cache))
+        image_mask, engram_mask = _masks(token_types)
+        cache = dict(cache)
+        hashes = None
+        if self.engram_layout is not None:
+            hashes, cache["engram_history"] = self.chunk_hashes(ids, start, cache["engram_history"], engram_mask)
+        shared: dict = {}
+        layers = list(cache["layers"])
+
+        def step(layer, x, pre_mix):
+            nonlocal shared
+            i = layer.layer_id
+            x, pre_mix, shared, layers[i], aux = layer.chunk(x, pre_mix, shared, image_mask, layers[i], start, lengths)
+            return x, pre_mix, aux
+
+        record = {} if collect else None
+        if collect and hashes is not None:
+            record["engram_hashes"] = hashes
+        x, pre_mix = self._stack(self._embed(ids, embeds), hashes, engram_mask, step, record)
+        rows, last = jnp.arange(b), jnp.maximum(lengths - 1, 0)
+        logits = self.logits(x[rows, last][:, None], pre_mix[rows, last][:, None])
+        cache["layers"], cache["seq_len"] = layers, start + lengths
+        return (logits, cache, record) if collect else (logits, cache)
+
+    def chunk_hashes(self, ids: jax.Array, start: jax.Array, history: jax.Array, mask: jax.Array | None):
+        """Engram hashes of a chunk per row at its own start: int32 [b, c, n_tables, cols], and the
+        history with positions start[b] .. start[b]+c-1 written (those past max_seq_len, only ever
+        padding, are dropped)."""
+        b, c = ids.shape
+        t = history.shape[1]
+        # c spare columns, so that a padded chunk ending past max_seq_len still writes in place
+        padded = jnp.concatenate([history, jnp.full((b, c), -1, history.dtype)], axis=1)
+        m = jnp.ones((b, c), bool) if mask is None else mask
+
+        def one(i, p, h, mk):
+            rows, h = engram_hash(i[None], p, h[None], None if mask is None else mk[None], self.engram_layout,
+                                  self.token_map[...])
+            return rows[0], h[0]
+
+        hashes, padded = jax.vmap(one)(ids, start, padded, m)
+        return hashes, padded[:, :t]
+
     def decode_step(self, ids: jax.Array, pos: jax.Array, cache: dict, *, reference_compat: bool = False,
                     collect: bool = False):
         """One new token per row. ids int [b], pos int32 [b] (its position: row b holds pos[b]
@@ -292,6 +367,19 @@ def _masks(token_types: jax.Array | None) -> tuple[jax.Array | None, jax.Array |
         return None, None
     image_mask = token_types >= 0
     return image_mask, ~image_mask
+
+
+def _check_chunk(start: jax.Array, lengths: jax.Array, c: int, max_seq_len: int | None) -> None:
+    """0 <= L <= c, start >= 0 and start + L <= max_seq_len, checked when the values are concrete."""
+    try:
+        st, lens = np.asarray(start), np.asarray(lengths)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if lens.min() < 0 or lens.max() > c:
+        raise ValueError(f"prefill_chunk lengths must be in [0, {c}] (the chunk width), got {lens.tolist()}")
+    if st.min() < 0 or (max_seq_len is not None and (st + lens).max() > max_seq_len):
+        raise ValueError(f"prefill_chunk: positions start .. start + length - 1 (start {st.tolist()}, lengths "
+                         f"{lens.tolist()}) must lie in [0, {max_seq_len}) (the cache's max_seq_len)")
 
 
 def _check_lengths(lengths: jax.Array, s: int) -> None:
