@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.attention import Attention, previous_call_index_k_owner
+from dsv41_jax.attention import Attention, previous_call_index_k_owner, rows_at
 from dsv41_jax.cache import cache_max_seq_len
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.engram import Engram, EngramLayout, engram_hash
@@ -171,16 +171,23 @@ class Transformer(nnx.Module):
         return (logits, record) if collect else logits
 
     def prefill(self, ids: jax.Array, lengths: jax.Array | None, cache: dict, token_types: jax.Array | None = None,
-                embeds: jax.Array | None = None, *, collect: bool = False):
+                embeds: jax.Array | None = None, *, collect: bool = False, replay: bool = True):
         """Prefill of right-padded prompts, seeding `cache` (`dsv41_jax.cache.init_cache`).
 
         ids int [b, S] (row b real in [0, lengths[b]), anything after), lengths int32 [b] with
         1 <= L <= S (None: all S), token_types / embeds as `__call__`. Positions past a row's
         length never reach its real positions (every path is causal) and what they leave in the
         cache is overwritten before a decode step can see it.
+
+        replay (default True; exact, SPEC §19.1): the layers above the last kv source own only
+        window KV, so they run only on each row's last min(L, `replay_width`) positions, the
+        dependency cone of the last position's logits and of the window rings decode reads.
+        False runs every layer on all S positions. Both give the same logits and caches.
         Returns (logits f32 [b, V] at each row's last real position, cache with seq_len =
-        lengths), plus the golden-keyed intermediates with collect.
+        lengths), plus the golden-keyed intermediates with collect (with replay, the arrays of
+        the replayed layers cover their suffix only: [b, width, ...]).
         """
+        a = self.args
         b, s = ids.shape
         t = cache_max_seq_len(cache)
         if t is not None and s > t:
@@ -195,10 +202,34 @@ class Transformer(nnx.Module):
                 ids, 0, cache["engram_history"], engram_mask, self.engram_layout, self.token_map[...])
         shared: dict = {}
         layers = list(cache["layers"])
+        first_replayed = replay_start(a) if replay else a.n_layers
+        span_start = jnp.zeros((b,), jnp.int32)  # position of the stream's row 0, per row
+
+        def narrow(i, x, pre_mix, hashes, emask):
+            """Before a replayed layer: keep each row's suffix of that layer's width."""
+            nonlocal shared, span_start, image_mask
+            if i < first_replayed:
+                return x, pre_mix, hashes, emask
+            if i == first_replayed:
+                shared = _span_shared(shared, s)
+            width = replay_width(a, i, s)
+            st = jnp.maximum(lengths - width, 0)
+
+            def take(v):
+                return None if v is None else rows_at(v, span_start, st, width)
+
+            x, pre_mix, hashes, emask, image_mask = take(x), take(pre_mix), take(hashes), take(emask), take(image_mask)
+            span_start = st
+            return x, pre_mix, hashes, emask
 
         def step(layer, x, pre_mix):
             nonlocal shared
             i = layer.layer_id
+            if i >= first_replayed:
+                x, pre_mix, shared, ring, aux = layer.chunk(x, pre_mix, shared, image_mask, None, span_start,
+                                                            lengths - span_start)
+                layers[i] = {**layers[i], "window_kv": ring["window_kv"].astype(layers[i]["window_kv"].dtype)}
+                return x, pre_mix, aux
             x, pre_mix, shared, layers[i], aux = layer.prefill(x, pre_mix, shared, image_mask, layers[i], lengths)
             if self.args.is_index_source(i):
                 aux["index_k_owner"] = jnp.asarray(self.args.kv_source_of(i), jnp.int32)  # every owner publishes
@@ -207,9 +238,9 @@ class Transformer(nnx.Module):
         record = {} if collect else None
         if collect and hashes is not None:
             record["engram_hashes"] = hashes
-        x, pre_mix = self._stack(self._embed(ids, embeds), hashes, engram_mask, step, record)
+        x, pre_mix = self._stack(self._embed(ids, embeds), hashes, engram_mask, step, record, narrow)
         rows = jnp.arange(b)
-        last = lengths - 1
+        last = lengths - 1 - span_start
         logits = self.logits(x[rows, last][:, None], pre_mix[rows, last][:, None])
         cache["layers"], cache["seq_len"] = layers, lengths
         return (logits, cache, record) if collect else (logits, cache)
@@ -332,15 +363,18 @@ class Transformer(nnx.Module):
         return jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], a.hc_mult, a.dim))
 
     def _stack(self, x: jax.Array, hashes: jax.Array | None, engram_mask: jax.Array | None, step,
-               record: dict | None) -> tuple[jax.Array, jax.Array]:
+               record: dict | None, narrow=None) -> tuple[jax.Array, jax.Array]:
         """Engram + blocks over the stream x [b, s, hc, d], starting from the identity pre-mix;
-        `step(layer, x, pre_mix) -> (x, pre_mix, aux)` runs one block. Returns the final
-        (x, pre_mix); fills `record` (golden key names) when given."""
+        `step(layer, x, pre_mix) -> (x, pre_mix, aux)` runs one block; `narrow(i, x, pre_mix,
+        hashes, engram_mask)`, when given, may replace those four before block i (replay). Returns
+        the final (x, pre_mix); fills `record` (golden key names) when given."""
         a = self.args
         b, s = x.shape[:2]
         pre_mix = identity_pre_mix(b, s, a.hc_mult)
         for i, layer in enumerate(self.layers):
             tag = f"L{i:02d}"
+            if narrow is not None:
+                x, pre_mix, hashes, engram_mask = narrow(i, x, pre_mix, hashes, engram_mask)
             with jax.named_scope(f"layer_{i}"):
                 if layer.engram is not None:
                     x = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], engram_mask)
@@ -359,6 +393,35 @@ class Transformer(nnx.Module):
         if not all_logits:
             h = h[:, -1]
         return self.head(h.astype(jnp.float32))
+
+
+def replay_start(args: ModelArgs) -> int:
+    """The first layer the decoder-half replay runs on a suffix: the one above the last kv source
+    (every layer from there on owns only window KV)."""
+    return args.kv_source_layers[-1] + 1 if args.kv_source_layers else 0
+
+
+def replay_width(args: ModelArgs, layer: int, s: int) -> int:
+    """Positions (per row, ending at its last real one) that layer `layer` must run on in a
+    prefill of S positions (SPEC §19.1): the top layer needs its input at the last window
+    positions (its ring for decode, and the last position's attention), and each layer below
+    needs window - 1 more, so that the next layer's window is complete: window + k (window - 1)
+    for the layer k below the top, capped at S."""
+    w = args.window_size
+    return min(s, w + (args.n_layers - 1 - layer) * (w - 1))
+
+
+def _span_shared(shared: dict, s: int) -> dict:
+    """`shared` of a prefill of S positions in the span conventions (`Attention.chunk`): top-k
+    as compressed rows (the prefill's offset S removed) and the query-row starts (0)."""
+    shared = dict(shared)
+    b = next(iter(shared.values())).shape[0] if shared else 0
+    if "topk" in shared:
+        shared["topk"] = jnp.where(shared["topk"] >= 0, shared["topk"] - s, -1)
+        shared["topk_start"] = jnp.zeros((b,), jnp.int32)
+    if "candidates" in shared:
+        shared["candidates_start"] = jnp.zeros((b,), jnp.int32)
+    return shared
 
 
 def _masks(token_types: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
