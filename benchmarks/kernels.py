@@ -229,18 +229,17 @@ def attn_flops(idx) -> float:
     return 4.0 * H * D * int(jnp.sum(idx >= 0))
 
 
-def _attn_fn(impl, bs=None):
+def _attn_fn(impl, bs=None, acc="f32"):
     scale = D ** -0.5
-    if impl == "reference":
-        return lambda q, kv, s, i: attn_api.sparse_attn(q, kv, s, i, scale, implementation="reference",
-                                                        accumulate="f32")
-    return lambda q, kv, s, i: attn_api.sparse_attn(q, kv, s, i, scale, implementation="pallas", block_sizes=bs)
+    return lambda q, kv, s, i: attn_api.sparse_attn(q, kv, s, i, scale, implementation=impl, accumulate=acc,
+                                                    block_sizes=bs)
 
 
-def attention_row(site, shape, impl, make, copy_bw, *, bs=None, inner=10, reps=15, check_err=False, note=""):
+def attention_row(site, shape, impl, make, copy_bw, *, bs=None, acc="f32", inner=10, reps=15, check_err=False,
+                  note=""):
     args0 = make(0)
     nbytes = attn_bytes(args0[0], args0[1], args0[3])
-    fn = _attn_fn(impl, bs)
+    fn = _attn_fn(impl, bs, acc)
     sec, dev = _time(fn, make, inner=inner, reps=reps, bytes_per_call=nbytes)
     err = ""
     if check_err:
@@ -253,7 +252,7 @@ def attention_row(site, shape, impl, make, copy_bw, *, bs=None, inner=10, reps=1
         mx, frac = _ulps_bf16(got, want)
         err = f"max {mx:.2f} ulp, {100 * frac:.2f}% differ"
     tflops = attn_flops(args0[3]) / _best(sec, dev) / 1e12
-    label = impl if bs is None else f"{impl} {_short(bs)}"
+    label = f"{impl} {acc}" if bs is None else f"{impl} {acc} {_short(bs)}"
     return Row(site, shape, label, sec * 1e6, dev * 1e6, nbytes, nbytes / _best(sec, dev) / copy_bw, err,
                note or f"{tflops:.0f} TFLOP/s")
 
@@ -295,62 +294,63 @@ def floor_rows(copy_bw) -> list[Row]:
 
 
 def sweep(copy_bw, deadline):
+    """Tile variants of both precisions at decode B=64 and B=1 (4k context) and at prefill."""
     rows = []
     B = attn_api.BlockSizes
-    plan = [(64, B(split_probs=False)), (64, B(split_probs=False, num_splits=1)),
-            (64, B(split_probs=False, block_k=32)), (64, B(split_probs=True)),
-            (64, B(split_probs=True, block_d=256, block_k=32)), (64, B(split_probs=True, block_d=128, block_k=32)),
-            (64, B(split_probs=True, block_d=256, block_k=32, num_splits=1)),
-            (1, B(split_probs=False)), (1, B(split_probs=True, block_d=256, block_k=32)),
-            (1, B(split_probs=True, block_d=128, block_k=32))]
-    for b, bs in plan:
-        if time.time() > deadline:
-            return rows
+
+    def add(site, shape, bs, acc, make, **kw):
         try:
-            rows.append(attention_row("sweep decode", f"B={b} ctx=4k", "pallas",
-                                      lambda i, b=b: decode_inputs(b, 4096, 10 + i), copy_bw, bs=bs))
+            rows.append(attention_row(site, shape, "pallas", make, copy_bw, bs=bs, acc=acc, **kw))
         except Exception as e:  # noqa: BLE001 (a tile choice that does not compile is a result of the sweep)
-            rows.append(Row("sweep decode", f"B={b} ctx=4k", f"pallas {_short(bs)}", float("nan"), float("nan"), 0, 0,
+            rows.append(Row(site, shape, f"pallas {acc} {_short(bs)}", float("nan"), float("nan"), 0, 0,
                             note=f"FAILED {type(e).__name__}: {str(e)[:160]}"))
         print(_fmt(rows[-1]), flush=True)
-    for bs in (B(split_probs=True, block_d=256, block_k=32), B(split_probs=True, block_d=128, block_k=32),
-               B(split_probs=False, block_k=32), B(split_probs=False, num_warps=4, block_d=256, block_k=32)):
+
+    decode = [
+        ("f64", B()), ("f64", B(block_h=16, block_k=32)), ("f64", B(block_h=16, num_warps=4)),
+        ("f64", B(block_h=32, block_d=256)), ("f64", B(block_h=16, block_d=256, num_warps=4)),
+        ("f64", B(block_h=16, num_splits=2)),
+        ("f32", B()), ("f32", B(block_h=16, block_d=512)), ("f32", B(block_h=16, block_d=512, block_k=64)),
+        ("f32", B(block_h=32, block_d=512)), ("f32", B(block_h=32, block_d=256)),
+        ("f32", B(block_h=16, block_d=512, num_warps=4)),
+    ]
+    for b in (64, 1):
+        for acc, bs in decode if b == 64 else decode[:3] + decode[6:8]:
+            if time.time() > deadline:
+                return rows
+            add("sweep decode", f"B={b} ctx=4k", bs, acc, lambda i, b=b: decode_inputs(b, 4096, 10 + i))
+    for acc, bs in (("f64", B()), ("f64", B(block_h=16, block_d=256, num_warps=4)), ("f32", B()),
+                    ("f32", B(block_h=16, block_d=512)), ("f32", B(block_h=32, block_d=512))):
         if time.time() > deadline:
             return rows
-        try:
-            rows.append(attention_row("sweep prefill", "M=4096", "pallas", lambda i: prefill_inputs(4096, 50 + i),
-                                      copy_bw, bs=bs, inner=2, reps=5))
-        except Exception as e:  # noqa: BLE001 (a failing row is a result)
-            rows.append(Row("sweep prefill", "M=4096", f"pallas {_short(bs)}", float("nan"), float("nan"), 0, 0,
-                            note=f"FAILED {type(e).__name__}: {str(e)[:160]}"))
-        print(_fmt(rows[-1]), flush=True)
+        add("sweep prefill", "M=4096", bs, acc, lambda i: prefill_inputs(4096, 50 + i), inner=2, reps=3)
     return rows
 
 
-def attention_rows(copy_bw, deadline, configs):
+def attention_rows(copy_bw, deadline, configs, batches=(1, 8, 64), contexts=(4096, 65536)):
     """configs: list of (impl, BlockSizes | None) timed on every shape."""
     rows = []
 
-    def add(site, shape, impl, bs, make, **kw):
+    def add(site, shape, impl, acc, bs, make, **kw):
         try:
-            rows.append(attention_row(site, shape, impl, make, copy_bw, bs=bs, **kw))
+            rows.append(attention_row(site, shape, impl, make, copy_bw, bs=bs, acc=acc, **kw))
         except Exception as e:  # noqa: BLE001 (a failing row is a result)
-            rows.append(Row(site, shape, impl if bs is None else f"{impl} {_short(bs)}", float("nan"),
-                            float("nan"), 0, 0, note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
+            rows.append(Row(site, shape, f"{impl} {acc}" if bs is None else f"{impl} {acc} {_short(bs)}",
+                            float("nan"), float("nan"), 0, 0, note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
         print(_fmt(rows[-1]), flush=True)
 
-    for ctx in (4096, 65536):
-        for b in (1, 8, 64):
-            for impl, bs in configs:
+    for ctx in contexts:
+        for b in batches:
+            for impl, acc, bs in configs:
                 if time.time() > deadline:
                     return rows
-                add("sparse attn decode", f"B={b} ctx={ctx // 1024}k", impl, bs,
+                add("sparse attn decode", f"B={b} ctx={ctx // 1024}k", impl, acc, bs,
                     lambda i, b=b, ctx=ctx: decode_inputs(b, ctx, 20 + i), check_err=ctx == 4096 and b == 64)
-    for impl, bs in configs:
+    for impl, acc, bs in configs:
         if time.time() > deadline:
             return rows
-        add("sparse attn prefill", "M=4096", impl, bs, lambda i: prefill_inputs(4096, 60 + i), inner=2, reps=5,
-            check_err=True)
+        add("sparse attn prefill", "M=4096", impl, acc, bs, lambda i: prefill_inputs(4096, 60 + i), inner=2,
+            reps=3, check_err=True)
     return rows
 
 
@@ -369,6 +369,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
     p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,attention")
+    p.add_argument("--tokens", default="1,64,4096", help="Sinkhorn token counts (comma list)")
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes (comma list)")
+    p.add_argument("--contexts", default="4096,65536", help="decode context lengths (comma list)")
+    p.add_argument("--sweep-s", type=float, default=None, help="time for the sweep (default: half the budget)")
     a = p.parse_args(argv)
     deadline = time.time() + a.budget_s
     dev = jax.devices()[0]
@@ -380,9 +384,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(_fmt(r), flush=True)
     if a.sweep:
-        rows += sweep(copy_bw, deadline - 0.5 * a.budget_s)
+        rows += sweep(copy_bw, time.time() + (a.sweep_s if a.sweep_s is not None else 0.5 * a.budget_s))
     if "sinkhorn" not in a.skip:
-        for t in (1, 64, 4096):
+        for t in (int(x) for x in a.tokens.split(",")):
             try:
                 new = sinkhorn_rows(copy_bw, tokens=(t,))
             except Exception as e:  # noqa: BLE001 (a failing row is a result)
@@ -392,9 +396,12 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(_fmt(r), flush=True)
     if "attention" not in a.skip:
-        configs = [("pallas", None), ("pallas", attn_api.BlockSizes(split_probs=not attn_api.BlockSizes().split_probs)),
-                   ("reference", None)]
-        rows += attention_rows(copy_bw, deadline, configs)
+        # the kernel in both precisions (f64: the model's default), the f32 kernel with p rounded
+        # to bf16 once, and the XLA reference in f32 (its f64 path is the oracle, not a fast path)
+        configs = [("pallas", "f64", None), ("pallas", "f32", None),
+                   ("pallas", "f32", attn_api.BlockSizes(split_probs=False)), ("reference", "f32", None)]
+        rows += attention_rows(copy_bw, deadline, configs, batches=[int(x) for x in a.batches.split(",")],
+                               contexts=[int(x) for x in a.contexts.split(",")])
     print("\n## summary", flush=True)
     print(HEADER)
     for r in rows:

@@ -112,7 +112,7 @@ class SinkhornBase:
         scale = jnp.asarray([0.9, 1.1, 1.7], jnp.float32)
         base = jnp.asarray(rng.normal(size=24), jnp.float32)
         kw = {"norm_eps": 1e-6, "iters": 20, "hc_eps": HC_EPS}
-        want = mhc_hc_mixes(x, fn, scale, base, **kw)
+        want = mhc_hc_mixes(x, fn, scale, base, **kw, implementation="reference")  # the model's jnp path
         got = sinkhorn_api.hc_mixes(x, fn, scale, base, **kw, implementation=self.implementation,
                                     target=self.target, interpret=self.interpret)
         for g, w in zip(got, want):
@@ -279,6 +279,10 @@ class AttnBase:
     block_sizes = None
     accumulate = "f64"
     exact_probs = True  # False: p rounded to bf16 once before p.V
+    # the kernels' float64 mode: its one rounding must be the float64 jnp reference's, bit for bit
+    # (an f64 result sits within ~1e-16 of the exact value, so another bf16 neighbour would mean a
+    # wrong computation, not a near tie); the model's golden parity relies on it
+    rounds_like_f64_reference = False
     extras = True  # the gradient test (slow in interpret mode: once per kernel)
 
     def attend(self, q, kv, sink, idx, scale):
@@ -309,6 +313,9 @@ class AttnBase:
         assert np.all(err <= tol), f"max excess {np.max(err - tol)} at {np.unravel_index(np.argmax(err - tol), err.shape)}"
         empty = ~np.asarray(idx >= 0).any(-1)
         assert np.all(got[empty] == 0.0)  # a row with nothing to attend to is exactly zero
+        if self.rounds_like_f64_reference:
+            ref = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="reference", accumulate="f64")
+            np.testing.assert_array_equal(got, np.asarray(ref, np.float64))
 
     def test_gradient_matches_reference_f32(self):
         if self.implementation == "reference" or not self.extras:
@@ -338,17 +345,48 @@ class TestAttnReferenceF32(AttnBase):
 
 class TestAttnGpuInterpret(AttnBase):
     implementation, target, interpret = "pallas", "gpu", True
+    rounds_like_f64_reference = True
+
+
+class TestAttnGpuInterpretF32(AttnBase):
+    implementation, target, interpret, accumulate = "pallas", "gpu", True, "f32"
+    ATTN_CASES = ("released_decode", "rows_all_minus_one", "huge_logits_and_sinks")
+    extras = False
 
 
 class TestAttnGpuInterpretSplitsAndColumnBlocks(AttnBase):
     implementation, target, interpret = "pallas", "gpu", True
+    rounds_like_f64_reference = True
     block_sizes = attn_api.BlockSizes(block_k=16, block_d=16, num_splits=3)
     ATTN_CASES = ("window_not_full", "rows_all_minus_one", "huge_logits_and_sinks")
     extras = False
 
 
-class TestAttnGpuInterpretBf16Probs(AttnBase):
+class TestAttnGpuInterpretF32SplitsAndBlocks(AttnBase):
+    implementation, target, interpret, accumulate = "pallas", "gpu", True, "f32"
+    block_sizes = attn_api.BlockSizes(block_k=16, block_d=16, num_splits=3)
+    ATTN_CASES = ("rows_all_minus_one",)
+    extras = False
+
+
+class TestAttnGpuInterpretHeadBlocks(AttnBase):
+    # 64 heads in 4 programs of 16 (and 6 heads padded to one block of 16), with index splits
     implementation, target, interpret = "pallas", "gpu", True
+    block_sizes = attn_api.BlockSizes(block_h=16, num_splits=2)
+    ATTN_CASES = ("released_decode", "odd_tokens_and_heads")
+    rounds_like_f64_reference = True
+    extras = False
+
+
+class TestAttnGpuInterpretF32HeadBlocks(AttnBase):
+    implementation, target, interpret, accumulate = "pallas", "gpu", True, "f32"
+    block_sizes = attn_api.BlockSizes(block_h=16, block_d=256)
+    ATTN_CASES = ("released_decode",)
+    extras = False
+
+
+class TestAttnGpuInterpretBf16Probs(AttnBase):
+    implementation, target, interpret, accumulate = "pallas", "gpu", True, "f32"
     block_sizes = attn_api.BlockSizes(split_probs=False)
     exact_probs = False
     ATTN_CASES = ("batch_with_repeats",)
@@ -356,7 +394,7 @@ class TestAttnGpuInterpretBf16Probs(AttnBase):
 
 
 class TestAttnTpuInterpret(AttnBase):
-    implementation, target, interpret = "pallas", "tpu", True
+    implementation, target, interpret, accumulate = "pallas", "tpu", True, "f32"
     block_sizes = attn_api.BlockSizes(block_k=16)
     ATTN_CASES = ("window_not_full", "rows_all_minus_one", "odd_tokens_and_heads")
     extras = False
@@ -366,21 +404,47 @@ class TestAttnTpuInterpret(AttnBase):
 @needs_gpu
 class TestAttnGpu(AttnBase):
     implementation, target = "pallas", "gpu"
+    rounds_like_f64_reference = True
 
 
 @pytest.mark.gpu
 @needs_gpu
-class TestAttnGpuSplits(AttnBase):
+class TestAttnGpuF64SplitsAndHeadBlocks(AttnBase):
     implementation, target = "pallas", "gpu"
+    block_sizes = attn_api.BlockSizes(num_splits=3, block_h=32, block_d=128, block_k=32)
+    rounds_like_f64_reference = True
+    extras = False
+
+
+@pytest.mark.gpu
+@needs_gpu
+class TestAttnGpuF32(AttnBase):
+    implementation, target, accumulate = "pallas", "gpu", "f32"
+
+
+@pytest.mark.gpu
+@needs_gpu
+class TestAttnGpuF32Splits(AttnBase):
+    implementation, target, accumulate = "pallas", "gpu", "f32"
     block_sizes = attn_api.BlockSizes(num_splits=4, block_d=128, block_k=32)
+    extras = False
+
+
+@pytest.mark.gpu
+@needs_gpu
+class TestAttnGpuF32HeadBlocks(AttnBase):
+    implementation, target, accumulate = "pallas", "gpu", "f32"
+    block_sizes = attn_api.BlockSizes(block_h=16, block_d=512, block_k=32)
+    extras = False
 
 
 @pytest.mark.gpu
 @needs_gpu
 class TestAttnGpuBf16Probs(AttnBase):
-    implementation, target = "pallas", "gpu"
+    implementation, target, accumulate = "pallas", "gpu", "f32"
     block_sizes = attn_api.BlockSizes(split_probs=False)
     exact_probs = False
+    extras = False
 
 
 # ==================================================================== dispatch and validation
@@ -455,3 +519,19 @@ def test_unsupported_sinkhorn_tile_falls_back_loudly_to_the_reference(caplog):
                                           implementation="reference")
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_attention_precision_is_validated_before_tracing():
+    q, kv, sink, idx, scale = attn_inputs("window_not_full")
+    with pytest.raises(ValueError, match="accumulate must be"):
+        attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="pallas", target="gpu", interpret=True,
+                             accumulate="bf16")
+
+
+def test_float64_on_the_tpu_kernel_falls_back_loudly_to_the_reference(caplog):
+    q, kv, sink, idx, scale = attn_inputs("window_not_full")
+    with caplog.at_level(logging.WARNING):
+        got = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="pallas", target="tpu", interpret=True)
+    assert "no float64 mode" in caplog.text
+    want = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

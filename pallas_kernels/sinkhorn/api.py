@@ -94,17 +94,20 @@ _split.defvjp(_split_fwd, _split_bwd)
 
 
 def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, *, hc: int, iters: int, eps: float,
-                      implementation: Implementation = "auto", target: Target | None = None,
-                      block_sizes: BlockSizes | None = None,
+                      rms: jax.Array | None = None, implementation: Implementation = "auto",
+                      target: Target | None = None, block_sizes: BlockSizes | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """mixes f32 [..., (2 + hc) * hc], scale f32 [3], base f32 [(2 + hc) * hc] ->
     pre f32 [..., hc], post f32 [..., hc], comb f32 [..., hc, hc]; the reference's math and order
-    (`reference.hc_split_sinkhorn`).
+    (`reference.hc_split_sinkhorn`). rms: None, or f32 [...] multiplying the mixes first (the RMS
+    factor of the site; the kernel fuses the multiply).
 
     target: which kernel ("gpu" Triton, "tpu" Mosaic); defaults to the default backend's (GPU on
     CPU, for interpret-mode runs). interpret: run the kernel in Pallas interpret mode (CPU tests).
     """
-    return _dispatch(mixes, scale, base, None, hc=hc, iters=iters, eps=eps, implementation=implementation,
+    if rms is not None and rms.shape != mixes.shape[:-1]:
+        raise ValueError(f"rms must be [{mixes.shape[:-1]}] (one factor per token), got {rms.shape=}")
+    return _dispatch(mixes, scale, base, rms, hc=hc, iters=iters, eps=eps, implementation=implementation,
                      target=target, block_sizes=block_sizes, interpret=interpret)
 
 
@@ -149,9 +152,9 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     """The whole Sinkhorn site (SPEC §4.2): x [b, s, hc, d] -> (pre, post, comb), f32.
 
     mixes = (fn @ u) * rsqrt(mean(u^2) + norm_eps) over the flattened stream u = x [b, s, hc * d];
-    the projection (a [t, hc*d] x [hc*d, n_mix] f32 matmul) and the mean of squares stay in XLA;
-    the kernel applies the RMS factor and the split in one launch. Same values as
-    `dsv41_jax.mhc.hc_mixes` (the multiply by the factor is the same f32 product).
+    the projection (`project_rounded_once`) and the mean of squares stay in XLA; the kernel applies
+    the RMS factor and the split in one launch (the reference path multiplies first: the same f32
+    product). This is the model's site (`dsv41_jax.mhc.hc_mixes` calls it).
     Gradients (also on the kernel path) come from the reference math.
     """
     b, s, hc, d = x.shape
@@ -160,6 +163,19 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
         raise ValueError(f"fn must be [{n_mix}, {hc * d}] for x {x.shape}, got {fn.shape=}")
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
     rsqrt = 1.0 / jnp.sqrt(jnp.mean(jnp.square(u), axis=-1) + jnp.float32(norm_eps))  # [b, s]
-    proj = jnp.einsum("bsk,mk->bsm", u, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    proj = project_rounded_once(u, fn.astype(jnp.float32))
     return _dispatch(proj, scale, base, rsqrt, hc=hc, iters=iters, eps=hc_eps, implementation=implementation,
                      target=target, block_sizes=block_sizes, interpret=interpret)
+
+
+def project_rounded_once(u: jax.Array, fn: jax.Array) -> jax.Array:
+    """u f32 [b, s, K] @ fn^T f32 [m, K] -> f32 [b, s, m], accumulated in float64 and rounded once,
+    as the reference's fp32 linear is evaluated (the 20480-long sum otherwise moves the mixes by an
+    fp32 ulp, enough to flip a bf16 rounding of the stream now and then). TPUs have no float64:
+    there the sum stays fp32 (HIGHEST)."""
+    if jax.default_backend() == "tpu":
+        return jnp.einsum("bsk,mk->bsm", u, fn, precision=jax.lax.Precision.HIGHEST)
+    with jax.enable_x64(True):
+        y = jnp.einsum("bsk,mk->bsm", u.astype(jnp.float64), fn.astype(jnp.float64),
+                       precision=jax.lax.Precision.HIGHEST)
+        return y.astype(jnp.float32)
