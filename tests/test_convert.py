@@ -30,7 +30,7 @@ from dsv41_jax.config import ModelArgs
 from dsv41_jax.loading import load_hub_weights, module_param_paths
 from dsv41_jax.engram import Engram
 from dsv41_jax.model import Transformer
-from dsv41_jax.parity import NOT_IN_TEXT_MODEL, GoldenSet, load_model
+from dsv41_jax.parity import NOT_IN_TEXT_MODEL, load_model
 from dsv41_jax.synthetic import write_synthetic_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -405,10 +405,9 @@ def prefill():
     return nnx.jit(lambda model, ids: model(ids))
 
 
-@pytest.mark.parametrize("name", ["tiny-a", "tiny-c"])
-def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logits(tmp_path, name, prefill, capsys):
-    gs = GoldenSet(GOLDEN / name)
-    out = tmp_path / name
+def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logits(tmp_path, golden, prefill, capsys):
+    gs = golden  # every golden set, DSV41_EXTRA_GOLDEN ones included
+    out = tmp_path / gs.name
     assert main(["--hf-ckpt", str(gs.path), "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     rt = gs.inputs.get("runtime", {})
@@ -424,14 +423,14 @@ def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logi
     dropped = manifest["dropped"]
     assert set(DROP_REASONS) == set(NOT_IN_TEXT_MODEL)
     assert all(reason == next(r for p, r in DROP_REASONS.items() if n.startswith(p)) for n, reason in dropped.items())
-    assert (len(dropped) > 0) == (name == "tiny-c")
+    assert (len(dropped) > 0) == (gs.args.vision_enabled or gs.args.dspark_enabled)
     assert f"{len(dropped)} hub tensors dropped" in printed
     summary = manifest["dropped_summary"]
     assert sum(row["tensors"] for row in summary) == len(dropped)
     for row in summary:
         assert f"dropped {row['tensors']} tensors {row['prefix']} " in printed and row["reason"] in printed
-    if name == "tiny-c":
-        assert {row["prefix"] for row in summary} >= {"mtp.*", "vision.*"}
+    prefixes = {row["prefix"] for row in summary}
+    assert ("mtp.*" in prefixes) == gs.args.dspark_enabled and ("vision.*" in prefixes) == gs.args.vision_enabled
     consumed = [n for rec in (out / "progress").glob("*.json") for n in json.loads(rec.read_text())["consumed"]]
     assert len(consumed) == len(set(consumed)) and not set(consumed) & dropped.keys()
     assert set(consumed) | dropped.keys() == set(HubCheckpoint(gs.path).names())

@@ -240,8 +240,9 @@ def test_padded_table_rows_change_no_output_and_read_as_zero(golden):
     args = golden.args
     padded_args = args.replace(engram_rows_multiple=8)
     rows = args.engram_num_embeddings
-    assert any(r % 8 for r in rows)  # at least one table of each golden set gets padding rows
-    for table, layer in enumerate(args.engram_layer_ids):
+    padded_tables = [(t, layer) for t, layer in enumerate(args.engram_layer_ids) if rows[t] % 8]
+    assert padded_tables  # each golden set has a table that gets padding rows
+    for table, layer in padded_tables:
         plain = _loaded_engram(golden, layer)
         module = eg.Engram(layer, padded_args)
         load_hub_weights(module, golden.path, f"layers.{layer}.engram.")
@@ -257,7 +258,7 @@ def test_padded_table_rows_change_no_output_and_read_as_zero(golden):
         assert np.array_equal(np.asarray(run(module, x, hashes)).view(np.uint16),
                               np.asarray(run(plain, x, hashes)).view(np.uint16)), f"layer {layer}"
         pad_ids = jnp.arange(rows[table], stored + 1, dtype=jnp.int32)
-        assert stored == rows[table] or not np.asarray(module.embed(pad_ids), np.float32).any()
+        assert stored > rows[table] and not np.asarray(module.embed(pad_ids), np.float32).any()
 
 
 def test_engram_layer_outside_engram_layer_ids_is_rejected():
