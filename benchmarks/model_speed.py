@@ -263,12 +263,12 @@ class Report:
 
 
 def ceilings(rep: Report, tiny: bool) -> dict:
-    n = (1 << 20) if tiny else (1 << 30)  # 2 GiB of bf16 (read 2 GiB + write 2 GiB)
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda v: v + jnp.bfloat16(1))
-    t = timeit(lambda: f(x), iters=20)
-    bw = 2 * n * 2 / t
-    rep.add(name="ceiling hbm copy", batch=1, context=0, seconds=t, bytes=2 * n * 2, flops=0,
+    n = (1 << 18) if tiny else (1 << 29)  # 2 GiB of f32 read and 2 GiB written (x + 1)
+    x = jax.random.uniform(jax.random.key(0), (n,), jnp.float32)
+    f = jax.jit(lambda v: v + 1.0)
+    t = timeit(lambda: f(x), warmup=10, iters=20, repeats=5)
+    bw = 2 * n * 4 / t
+    rep.add(name="ceiling hbm copy", batch=1, context=0, seconds=t, bytes=2 * n * 4, flops=0,
             fraction_of_ceiling=1.0, bandwidth_GBps=round(bw / 1e9, 1))
     del x
     m = 512 if tiny else 8192
@@ -338,11 +338,76 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
                 rep.add(name=f"experts {path} {name}", batch=tokens, context=0, seconds=None, bytes=by, flops=fl,
                         fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
         if "reference" in outs and "fast" in outs:
-            a_, b_ = outs["reference"].view(np.uint16).astype(np.int32), outs["fast"].view(np.uint16).astype(np.int32)
-            d = np.abs(a_ - b_)
-            rep.add(name="experts fast vs reference", batch=tokens, context=0, seconds=None, bytes=0, flops=0,
-                    fraction_of_ceiling=None, bit_identical=float(np.mean(d == 0)), max_ulp=int(d.max()))
+            rep.add(name="experts out: fast vs reference", batch=tokens, context=0, seconds=None, bytes=0, flops=0,
+                    fraction_of_ceiling=None, **_compare(outs["fast"], outs["reference"]))
         outs.clear()
+        if jax.default_backend() == "gpu":
+            _projection_rows(rep, ceil, moes["reference"], xq, idx, tokens, path, per_expert, n_unique)
+
+
+def _ordered(a) -> np.ndarray:
+    i = np.asarray(a).view(np.uint16).astype(np.int32)
+    return np.where(i & 0x8000, -(i & 0x7FFF), i)
+
+
+def _compare(got, want) -> dict:
+    """bf16 outputs: fraction bit-identical, max ulp distance (counted across zero), max |diff|
+    over the RMS of `want`."""
+    d = np.abs(_ordered(got) - _ordered(want))
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    rms = float(np.sqrt(np.mean(w * w))) or 1.0
+    return {"bit_identical": round(float(np.mean(d == 0)), 6), "max_ulp": int(d.max()),
+            "max_abs_over_rms": float(np.max(np.abs(g - w)) / rms)}
+
+
+# (block_n, block_k, num_warps, num_stages, subnormal_decode) tried on one projection
+KERNEL_VARIANTS = ((None, None, 4, 3, False), (32, 256, 4, 3, False), (64, 512, 8, 3, False),
+                   (128, 128, 4, 3, False), (None, None, 4, 3, True), (32, 256, 4, 4, True))
+
+
+def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique):
+    """w1 alone (the [inter, dim] fp4 projection): XLA widen-then-dot vs kernel variants; the
+    kernel's products are exact, so outputs may differ from XLA only by fp32 summation order."""
+    from pallas_kernels.expert_matmul import api as em
+
+    gd, st = moe
+    lin = nnx.merge(gd, st).experts.w1
+    w, sc = lin.weight[...], lin.scale[...]
+    k = idx.shape[1]
+    by = n_unique * per_expert / 3
+    fl = 2 * tokens * k * w.shape[1] * xq.shape[1]
+    if path == "gather":
+        operands = (jnp.repeat(xq, k, axis=0), w, sc, idx.reshape(-1))
+
+        def make(impl, bs):
+            return jax.jit(lambda xr, w, sc, ids: em.gather_matmul(xr, w, sc, ids, implementation=impl,
+                                                                   block_sizes=bs))
+    else:
+        c, r = 16, idx.size
+        order, te, row0, valid = em.grouped_tiles(idx.reshape(-1), w.shape[0], c)
+        xs = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, xq.shape[1]), xq.dtype)])
+        operands = (xs, w, sc, te, row0, valid)
+
+        def make(impl, bs):
+            return jax.jit(lambda xs, w, sc, te, row0, valid: em.grouped_matmul(
+                xs, w, sc, te, row0, valid, c, implementation=impl, block_sizes=bs)[:r])
+    want = None
+    for variant in (None,) + KERNEL_VARIANTS:
+        impl = "reference" if variant is None else "pallas"
+        bs = None if variant is None else em.BlockSizes(*variant)
+        label = "xla" if variant is None else "kernel bn={} bk={} w={} s={}{}".format(
+            variant[0] or "auto", variant[1] or "auto", variant[2], variant[3], " subnormal" if variant[4] else "")
+        try:
+            f = make(impl, bs)
+            t = timeit(lambda: f(*operands))
+            out = np.asarray(f(*operands))
+            extra = {} if want is None else _compare(out, want)
+            want = out if want is None else want
+            rep.add(name=f"w1 {path} {label}", batch=tokens, context=0, seconds=t, bytes=by, flops=fl,
+                    fraction_of_ceiling=by / t / ceil["hbm"], **extra)
+        except Exception as err:  # noqa: BLE001 - a variant Triton rejects is reported, not fatal
+            rep.add(name=f"w1 {path} {label}", batch=tokens, context=0, seconds=None, bytes=by, flops=fl,
+                    fraction_of_ceiling=None, error=f"{type(err).__name__}: {str(err)[:200]}")
 
 
 def _decode_fn(graphdef):
@@ -351,7 +416,7 @@ def _decode_fn(graphdef):
     return jax.jit(step, donate_argnums=(3,))
 
 
-def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for):
+def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=()):
     for context in contexts:
         for batch in batches:
             for path in paths:
@@ -382,6 +447,8 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for):
                     rep.add(name=name, batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                             fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
                             tokens_per_s=round(batch / t, 1))
+                    if (batch, context, path) in profile_for:
+                        profile_rows(rep, call, name, batch, context)
                     if (batch, context, path) in layers_for:
                         layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path)
                     del holder, cache, state
@@ -390,6 +457,40 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for):
                             fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
                     traceback.print_exc(limit=3)
                 _speedup(rep, f"decode", batch, context)
+
+
+def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14):
+    """Device time of one call from a jax.profiler trace: the total over the GPU stream lines,
+    and the ops taking the most time (XLA op names; Pallas kernels by their names)."""
+    import glob
+    import tempfile
+
+    jax.block_until_ready(call())
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        for _ in range(reps):
+            jax.block_until_ready(call())
+        jax.profiler.stop_trace()
+        files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        if not files:
+            return
+        data = jax.profiler.ProfileData.from_file(files[0])
+        per_op: dict = {}
+        stream_ns = 0
+        for plane in data.planes:
+            if "gpu" not in plane.name.lower():
+                continue
+            for line in plane.lines:
+                if not line.name.lower().startswith("stream"):
+                    continue
+                for ev in line.events:
+                    stream_ns += ev.duration_ns
+                    per_op[ev.name] = per_op.get(ev.name, 0) + ev.duration_ns
+    rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / reps, bytes=0,
+            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(1 for _ in per_op)))
+    for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
+        rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0, flops=0,
+                fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3))
 
 
 def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path):
@@ -482,6 +583,9 @@ def main(argv=None) -> int:
     p.add_argument("--expert-batches", default="1,8,64,256")
     p.add_argument("--layers-for", default="1x4096,64x4096",
                    help="BxT decode shapes that also get per-layer times (fast path; add :reference)")
+    p.add_argument("--profile-for", default="1x4096,64x4096", help="BxT decode shapes profiled (fast path)")
+    p.add_argument("--reference-contexts", default=None, help="decode contexts timed on the reference path too")
+    p.add_argument("--reference-prefill", default=None, help="prefill lengths timed on the reference path too")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -500,6 +604,11 @@ def main(argv=None) -> int:
             shape, _, path = item.partition(":")
             bb, tt = shape.split("x")
             layers_for.add((int(bb), int(tt), path or "fast"))
+    profile_for = set()
+    for item in ns.profile_for.split(","):
+        if item:
+            bb, tt = item.split("x")
+            profile_for.add((int(bb), int(tt), "fast"))
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "tiny": tiny, "layers": list(ROLES),
@@ -512,14 +621,19 @@ def main(argv=None) -> int:
     rep.meta["ceilings"] = ceil
     if "experts" in sections:
         experts_section(rep, ceil, bench_args(tiny, 1, contexts[0], "auto"), _ints(ns.expert_batches if not tiny else "1,8,64"))
-    if "decode" in sections:
-        ref_b = set(_ints(ns.reference_batches)) if ns.reference_batches else set(batches)
-        for context in contexts:
+    ref_b = set(_ints(ns.reference_batches)) if ns.reference_batches else set(batches)
+    ref_ctx = set(_ints(ns.reference_contexts)) if ns.reference_contexts else set(contexts)
+    ref_pre = set(_ints(ns.reference_prefill)) if ns.reference_prefill else set(lengths)
+    # the first context's decode rows, then prefill, then the longer contexts (a run cut short by
+    # its time limit keeps one row of each kind)
+    for n_ctx, context in enumerate(contexts):
+        if "decode" in sections:
             for batch in batches:
-                ps = [v for v in paths if v == "fast" or batch in ref_b]
-                decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for)
-    if "prefill" in sections:
-        prefill_section(rep, ceil, tiny, lengths, paths)
+                ps = [v for v in paths if v == "fast" or (batch in ref_b and context in ref_ctx)]
+                decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for)
+        if n_ctx == 0 and "prefill" in sections:
+            for s_len in lengths:
+                prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v == "fast" or s_len in ref_pre])
     print(f"wrote {Path(ns.out) / 'model_speed.json'}")
     return 0
 

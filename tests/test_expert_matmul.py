@@ -59,15 +59,19 @@ def check_oracle(out, x, dense_rows):
     assert np.all(np.abs(got - exact) <= bound), float(np.max(np.abs(got - exact) / bound))
 
 
+def _ordered(a) -> np.ndarray:
+    """bf16 bit patterns as integers in value order (-0 and +0 both 0)."""
+    i = np.asarray(a).view(np.uint16).astype(np.int32)
+    return np.where(i & 0x8000, -(i & 0x7FFF), i)
+
+
 def ulps(a, b) -> np.ndarray:
-    """bf16 ulp distance (same-sign finite values)."""
-    ai = np.asarray(a).view(np.uint16).astype(np.int32)
-    bi = np.asarray(b).view(np.uint16).astype(np.int32)
-    return np.abs(ai - bi)
+    """bf16 ulp distance of finite values, counted across zero."""
+    return np.abs(_ordered(a) - _ordered(b))
 
 
-_gather = jax.jit(api.gather_matmul, static_argnames=("implementation", "interpret"))
-_grouped = jax.jit(api.grouped_matmul, static_argnames=("rows_per_tile", "implementation", "interpret"))
+_gather = jax.jit(api.gather_matmul, static_argnames=("implementation", "interpret", "block_sizes"))
+_grouped = jax.jit(api.grouped_matmul, static_argnames=("rows_per_tile", "implementation", "interpret", "block_sizes"))
 _ref_gather = jax.jit(ref.gather_matmul)
 _ref_grouped = jax.jit(ref.grouped_matmul, static_argnames=("rows_per_tile",))
 
@@ -92,13 +96,15 @@ GROUPED_CASES = {
 class GatherBase:
     implementation = "reference"
     interpret = False
+    block_sizes = None
 
     @pytest.mark.parametrize("case", list(GATHER_CASES))
     def test_gather_matches_float64_oracle_and_reference(self, case):
         n_exp, n, k, ids = GATHER_CASES[case]
         x, w, s, w_np, s_np = make(np.random.default_rng(len(ids) * 7 + n), n_exp, n, k, len(ids))
         e = jnp.asarray(ids, jnp.int32)
-        out = _gather(x, w, s, e, implementation=self.implementation, interpret=self.interpret)
+        out = _gather(x, w, s, e, implementation=self.implementation, interpret=self.interpret,
+                      block_sizes=self.block_sizes)
         assert out.shape == (len(ids), n) and out.dtype == jnp.bfloat16
         check_oracle(out, x, np_dense(w_np, s_np)[np.asarray(ids)])
         base = _ref_gather(x, w, s, e)
@@ -114,7 +120,8 @@ class GatherBase:
         flat = jnp.asarray(ids, jnp.int32)
         order, te, row0, valid = api.grouped_tiles(flat, n_exp, c)
         xs = jnp.concatenate([x[order], jnp.zeros((c, k), jnp.bfloat16)])
-        out = _grouped(xs, w, s, te, row0, valid, c, implementation=self.implementation, interpret=self.interpret)
+        out = _grouped(xs, w, s, te, row0, valid, c, implementation=self.implementation, interpret=self.interpret,
+                       block_sizes=self.block_sizes)
         assert out.shape == (r + c, n)
         sorted_ids = np.asarray(ids)[np.asarray(order)]
         check_oracle(out[:r], xs[:r], np_dense(w_np, s_np)[sorted_ids])
@@ -134,6 +141,12 @@ class TestKernelInterpret(GatherBase):
 @needs_gpu
 class TestKernelGPU(GatherBase):
     implementation = "pallas"
+
+
+@needs_gpu
+class TestKernelGPUSubnormalDecode(TestKernelGPU):
+    # no interpret twin: XLA on CPU flushes subnormals, which this decode must not meet
+    block_sizes = api.BlockSizes(subnormal_decode=True)
 
 
 def test_grouped_tiles_cover_every_pair_once():

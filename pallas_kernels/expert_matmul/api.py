@@ -39,11 +39,15 @@ class BlockSizes:
     block_n: output columns per program (power of 2 >= 16 dividing N).
     block_k: reduction step (power of 2 >= 64 dividing K; 32-column scale groups stay whole).
     num_warps, num_stages: Triton launch parameters.
+    subnormal_decode: decode e2m1 with five integer operations through an fp32 subnormal (the
+      decode's integer work, not HBM, bounds the kernel at few rows; exact where the GPU keeps
+      subnormals) instead of the select-based decode.
     """
     block_n: int | None = None
     block_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    subnormal_decode: bool = False
 
     def resolved(self, rows: int, n: int, k: int) -> BlockSizes:
         # few rows: the program streams weight bytes, so a narrow N block gives more programs to
@@ -84,7 +88,8 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, implementation, interpret, b
     try:
         return kernel_gpu.expert_matmul(
             x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
-            num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret)
+            num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
+            subnormal_decode=bs.subnormal_decode)
     except NotImplementedError as e:
         logger.warning("expert_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
         return None

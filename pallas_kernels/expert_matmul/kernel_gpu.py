@@ -48,8 +48,18 @@ def _e8m0_f32(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _e2m1_subnormal_f32(code: jax.Array) -> jax.Array:
+    """int32 codes 0..15 -> fp32 e2m1 values through a subnormal: the three magnitude bits placed
+    at the exponent's two low bits and the mantissa's top bit ((code & 7) << 22 is the value
+    times 2^-126; code 1 is the subnormal 2^-127), the sign at bit 31, then one multiply by
+    2^126. Five integer operations and one fp32 multiply, against ~ten integer operations for
+    `_e2m1_f32`; exact unless the hardware flushes subnormals (the GPU oracle tests catch that)."""
+    v = jax.lax.bitcast_convert_type(((code & 7) << 22) | ((code & 8) << 28), jnp.float32)
+    return v * jnp.float32(2.0**126)
+
+
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: int, block_n: int,
-            block_k: int, n_kblocks: int):
+            block_k: int, n_kblocks: int, subnormal_decode: bool):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16; w_ref [E, N, K/2] int8; s_ref [E, N, K/32] uint8
     # o_ref [M, N] bf16 (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n))
     t = pl.program_id(0)
@@ -58,6 +68,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
     row0 = row0_ref[t]
     valid = valid_ref[t]
     kp, ks = block_k // 2, block_k // 32
+    decode = _e2m1_subnormal_f32 if subnormal_decode else _e2m1_f32
 
     @pl.when(valid > 0)
     def _():
@@ -65,11 +76,11 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
             xb = x_ref[pl.ds(row0, rows), pl.ds(j * block_k, block_k)]  # [rows, bk] bf16
             packed = w_ref[e, pl.ds(n0, block_n), pl.ds(j * kp, kp)].astype(jnp.int32) & 0xFF  # [bn, bk/2]
             sb = s_ref[e, pl.ds(n0, block_n), pl.ds(j * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
-            lo = _e2m1_f32(packed & 0xF)  # even columns
-            hi = _e2m1_f32(packed >> 4)  # odd columns
-            v = jnp.stack([lo, hi], axis=-1).reshape(block_n, block_k)
-            sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 32)).reshape(block_n, block_k)
-            wb = (v * sf).astype(jnp.bfloat16)  # exact
+            # packed column c holds K columns 2c, 2c+1: both in scale group c // 16
+            sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 16)).reshape(block_n, kp)
+            lo = (decode(packed & 0xF) * sf).astype(jnp.bfloat16)  # even K columns, exact
+            hi = (decode(packed >> 4) * sf).astype(jnp.bfloat16)  # odd K columns
+            wb = jnp.stack([lo, hi], axis=-1).reshape(block_n, block_k)
             return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, n_kblocks, body, jnp.zeros((rows, block_n), jnp.float32))
@@ -80,7 +91,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
 
 def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
-                  num_stages: int, interpret: bool) -> jax.Array:
+                  num_stages: int, interpret: bool, subnormal_decode: bool = False) -> jax.Array:
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
 
@@ -102,7 +113,8 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     if s.dtype != jnp.uint8:
         s = jax.lax.bitcast_convert_type(s, jnp.uint8)
     t = tile_expert.shape[0]
-    kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k)
+    kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
+                               subnormal_decode=subnormal_decode)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731 (raw pointers)
     return pl.pallas_call(
         kernel,
