@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         gen = Generator(model)
         res = gen.generate([prompt], a.new_tokens)
         print(f"4. greedy from prompt {prompt}: {res.completions()[0]}")
-        print(f"   prefill {res.prefill_seconds:.2f} s (includes compilation); decode "
-              f"{res.decode_tokens_per_second():.1f} tokens/s after the first, compiling step (batch 1, CPU)")
+        rate = res.decode_tokens_per_second()
+        timed = (f"decode {rate:.1f} tokens/s after the first, compiling step (batch 1, CPU)" if np.isfinite(rate)
+                 else "decode not timed (no step after the first, compiling one: ask for --new-tokens 3 or more)")
+        print(f"   prefill {res.prefill_seconds:.2f} s (includes compilation); {timed}")
     return 0
 
 
