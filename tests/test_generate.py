@@ -1,8 +1,14 @@
-"""generate(): compiled once, cache donated, buckets, sampling, eos, batches, and the CLI."""
+"""generate(): compiled once, cache donated, buckets, sampling, eos, batches, the CLI, and the
+same run on an 8-device mesh (a subprocess with fake CPU devices) plus multi-host detection."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,6 +20,10 @@ from dsv41_jax.parity import GoldenSet, load_model
 from dsv41_jax.sampling import SamplingParams
 
 TINY = GOLDEN_ROOT / "tiny-a"
+REPO = Path(__file__).resolve().parents[1]
+# three ragged rows: on a data=2 mesh the batch is padded to four
+CLI_PROMPTS = "[[5, 6, 7], [8, 9], [10, 11, 12, 13]]"
+CLI_ARGS = ["--prompt-ids", CLI_PROMPTS, "--max-new-tokens", "4", "--max-seq-len", "64"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,14 +91,107 @@ def test_bad_prompts_are_rejected_with_the_reason():
         gen.generate([[1, 2, 100000]], 2)
 
 
-def test_cli_writes_tokens_and_logits(tmp_path, capsys):
-    out = tmp_path / "r.npz"
-    rc = G.main(["--ckpt", str(TINY), "--prompt-ids", "[[5, 6, 7], [8, 9]]", "--max-new-tokens", "4",
-                 "--max-seq-len", "64", "--logits-out", str(out)])
-    text = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def single_device_cli(tmp_path_factory) -> tuple[int, str, Path]:
+    """(exit code, stdout, --logits-out file) of the CLI on the hub-format tiny-a, one device."""
+    out = tmp_path_factory.mktemp("cli") / "r.npz"
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = G.main(["--ckpt", str(TINY), *CLI_ARGS, "--logits-out", str(out)])
+    return rc, buf.getvalue(), out
+
+
+def test_cli_writes_tokens_and_logits(single_device_cli):
+    rc, text, out = single_device_cli
     assert rc == 0 and "prefill:" in text and "decode:" in text
+    assert "mesh: data=1,expert=1,tensor=1 over 1 cpu devices, 1 process(es)" in text
     r = np.load(out)
-    assert r["tokens"].shape == (2, 4) and r["logits"].shape == (4, 2, 512) and r["logits"].dtype == np.float32
+    assert r["tokens"].shape == (3, 4) and r["logits"].shape == (4, 3, 512) and r["logits"].dtype == np.float32
+
+
+_MESH_CHILD = """
+import contextlib, io, json, sys
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from convert import convert_checkpoint
+from dsv41_jax import generate as G, sharding as shd
+from dsv41_jax.checkpoint_io import load_converted
+golden, work = sys.argv[1:3]
+cli_args = json.loads(sys.argv[3])
+conv = work + "/converted"
+convert_checkpoint(golden, conv, progress=False)
+report = {"errors": {}}
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    report["rc"] = G.main(["--ckpt", conv, "--mesh", "expert=4,data=2", *cli_args, "--logits-out", work + "/mesh.npz"])
+report["stdout"] = out.getvalue()
+for mesh in ("expert=3,data=2", "expert=8,data=2"):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = G.main(["--ckpt", conv, "--mesh", mesh, *cli_args])
+    report["errors"][mesh] = [rc, err.getvalue()]
+mesh = shd.make_mesh("expert=4,data=2")
+model, args = load_converted(conv, mesh, max_seq_len=64, max_batch_size=4)
+gen = G.Generator(model, max_seq_len=64, mesh=mesh, pad_batch=False)
+try:
+    gen.generate([[5], [6], [7]], 1)
+except shd.ShardingError as e:
+    report["errors"]["batch"] = str(e)
+cache = gen._init_cache(4)  # born sharded: each device holds 2 of the 4 rows
+kv = cache["layers"][2]["compress_kv"]
+w1 = gen.state["layers"][3]["ffn"]["experts"]["w1"]["weight"][...]
+report["cache"] = [list(kv.sharding.spec), [s.data.shape[0] for s in kv.addressable_shards]]
+report["experts"] = [list(w1.sharding.spec), w1.addressable_shards[0].data.shape[0]]
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_cli_on_an_expert4_data2_mesh_equals_the_single_device_run(tmp_path, single_device_cli):
+    """A converted tiny-a on 8 fake devices: same tokens and bit-identical logits (measured: max
+    |diff| 0) as one device from the hub files; the batch of 3 is padded to 4 for data=2."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _MESH_CHILD, str(TINY), str(tmp_path), json.dumps(CLI_ARGS)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[7:])
+    assert report["rc"] == 0, proc.stderr[-3000:]
+    assert "mesh: data=2,expert=4,tensor=1 over 8 cpu devices" in report["stdout"]
+    one, many = np.load(single_device_cli[2]), np.load(tmp_path / "mesh.npz")
+    np.testing.assert_array_equal(many["tokens"], one["tokens"])
+    np.testing.assert_array_equal(many["logits"], one["logits"])
+    assert report["cache"] == [["data", None, None], [2] * 8]
+    assert report["experts"] == [["expert", None, None], 2]  # 8 experts over expert=4
+    errors = report["errors"]
+    assert errors["expert=3,data=2"][0] == 2
+    assert "expert axis (3) must divide the number of routed experts (8)" in errors["expert=3,data=2"][1]
+    assert errors["expert=8,data=2"][0] == 2
+    assert "needs 16 devices, but 8 cpu devices are available" in errors["expert=8,data=2"][1]
+    assert "a batch of 3 rows is not a multiple of the mesh's data axis (2)" in errors["batch"]
+
+
+@pytest.mark.parametrize("env, found", [
+    ({}, None),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "JAX_COORDINATOR_ADDRESS"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+      "SLURM_NTASKS": "2"}, "SLURM"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+      "SLURM_NTASKS": "1"}, None),  # a single-task SLURM job is one process
+    ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI"),
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, "GKE TPU"),
+    ({"TPU_WORKER_HOSTNAMES": "t0"}, None),
+])
+def test_multi_host_runs_are_detected_from_the_environment(env, found):
+    assert G.distributed_environment(env) == found
+
+
+def test_distributed_initialisation_is_skipped_without_a_coordinator_and_modes_are_checked():
+    assert G.init_distributed("auto", env={}) is False
+    assert G.init_distributed("off", env={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}) is False
+    with pytest.raises(ValueError, match="--distributed 'maybe': expected auto, on or off"):
+        G.init_distributed("maybe")
 
 
 @pytest.mark.parametrize("argv, message", [
