@@ -121,13 +121,20 @@ class Generator:
     and inputs are split over `data`, and the programs are traced under the mesh. None: the
     arrays stay where they are (one device).
     pad_batch: on a mesh, pad a batch to a multiple of the `data` axis (True) or raise (False).
+    prefill_chunk: prefill prompts in chunks of this many tokens (`Transformer.prefill_chunk`, one
+    program for every chunk), so activation memory is bounded by the chunk, not the prompt; the
+    same logits and caches as one prefill. None: one prefill per prompt bucket.
 
     `traces` counts how often each program was traced (= compiled): a test pins that decode
     compiles once however many steps run.
     """
 
     def __init__(self, model, *, max_seq_len: int | None = None, reference_compat: bool = False,
-                 mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES, pad_batch: bool = True):
+                 mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES, pad_batch: bool = True,
+                 prefill_chunk: int | None = None):
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self.args: ModelArgs = model.args
         self.max_seq_len = max_seq_len or self.args.max_seq_len
         self.reference_compat = reference_compat
@@ -139,6 +146,7 @@ class Generator:
         if mesh is None:
             self.data = 1
             self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))
+            self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,))
             self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6))
             self._init_cache = lambda b: init_cache(self.args, b, self.max_seq_len)
             self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3))
@@ -155,6 +163,8 @@ class Generator:
         logits_sh = shd.activation_sharding("logits", (self.data, self.args.vocab_size), mesh, rules)
         replicated = NamedSharding(mesh, PartitionSpec())
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
+        self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,),
+                                      out_shardings=(logits_sh, cache_sh))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6),
                                out_shardings=(replicated, logits_sh, cache_sh))
         self._init_cache = jax.jit(lambda b: init_cache(self.args, b, self.max_seq_len), static_argnums=(0,),
@@ -189,6 +199,28 @@ class Generator:
         self.traces["prefill"] += 1
         model = nnx.merge(self.graphdef, state)
         return model.prefill(ids, lengths, cache)
+
+    def _prefill_chunk_impl(self, state, ids, start, lengths, cache):
+        self.traces["prefill"] += 1
+        model = nnx.merge(self.graphdef, state)
+        return model.prefill_chunk(ids, start, lengths, cache)
+
+    def _chunked_prefill(self, ids: np.ndarray, lengths: np.ndarray, cache):
+        """Prefill of ids [b, s] (row b real up to lengths[b]) in chunks of `prefill_chunk`
+        tokens; a row whose prompt ended adds nothing to later chunks. Returns (logits at each
+        row's last prompt token, cache)."""
+        c, b = self.prefill_chunk, ids.shape[0]
+        logits = None
+        for first in range(0, int(lengths.max()), c):
+            start = np.minimum(first, lengths).astype(np.int32)
+            n = np.clip(lengths - first, 0, c).astype(np.int32)
+            chunk = np.zeros((b, c), np.int32)
+            for r in range(b):
+                chunk[r, : n[r]] = ids[r, start[r] : start[r] + n[r]]
+            new, cache = self._prefill_chunk(self.state, self._put("ids", chunk), self._put("lengths", start),
+                                             self._put("lengths", n), cache)
+            logits = new if logits is None else jnp.where(jnp.asarray(n > 0)[:, None], new, logits)
+        return logits, cache
 
     def _decode_impl(self, state, tokens, pos, cache, key_data, impl, params: SamplingParams):
         self.traces["decode"] += 1
@@ -237,7 +269,10 @@ class Generator:
         with self._mesh_context():
             cache = self._init_cache(b)
             t0 = time.perf_counter()
-            logits, cache = self._prefill(self.state, self._put("ids", ids), self._put("lengths", lengths), cache)
+            if self.prefill_chunk is None:
+                logits, cache = self._prefill(self.state, self._put("ids", ids), self._put("lengths", lengths), cache)
+            else:
+                logits, cache = self._chunked_prefill(ids, lengths, cache)
             tok = self._sample(logits, *self._key_data(key, 0), params)
             tok.block_until_ready()
             t_prefill = time.perf_counter() - t0
@@ -406,6 +441,8 @@ def main(argv=None) -> int:
     p.add_argument("--eos-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--reference-compat", action="store_true",
                    help="reproduce the official decode's index-key hand-off (SPEC §21) instead of the consistent one")
+    p.add_argument("--prefill-chunk", type=int, help="prefill in chunks of this many tokens (bounded memory for "
+                   "long prompts; same results)")
     p.add_argument("--logits-out", help="write tokens [B, steps] and logits [steps, B, V] float32 to this .npz")
     p.add_argument("--mesh", help="device mesh, e.g. expert=4,data=2 (axes data, expert, tensor; must use every "
                                   "device; default: expert = gcd(devices, routed experts), the rest data)")
@@ -439,7 +476,8 @@ def main(argv=None) -> int:
         args = checkpoint_args(ns.ckpt, max_seq_len=ns.max_seq_len, max_batch_size=batch)
         mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)
         model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh)
-        gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat, mesh=mesh)
+        gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat, mesh=mesh,
+                        prefill_chunk=ns.prefill_chunk)
         res = gen.generate(prompts, ns.max_new_tokens, params, jax.random.key(ns.seed), tuple(ns.eos_id),
                            return_logits=bool(ns.logits_out))
     except (ValueError, FileNotFoundError, ConfigError) as e:
