@@ -341,7 +341,7 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
             rep.add(name="experts out: fast vs reference", batch=tokens, context=0, seconds=None, bytes=0, flops=0,
                     fraction_of_ceiling=None, **_compare(outs["fast"], outs["reference"]))
         outs.clear()
-        if jax.default_backend() == "gpu":
+        if jax.default_backend() == "gpu" and tokens in (1, 64):
             _projection_rows(rep, ceil, moes["reference"], xq, idx, tokens, path, per_expert, n_unique)
 
 
@@ -361,8 +361,8 @@ def _compare(got, want) -> dict:
 
 
 # (block_n, block_k, num_warps, num_stages, subnormal_decode) tried on one projection
-KERNEL_VARIANTS = ((None, None, 4, 3, False), (32, 256, 4, 3, False), (64, 512, 8, 3, False),
-                   (128, 128, 4, 3, False), (None, None, 4, 3, True), (32, 256, 4, 4, True))
+KERNEL_VARIANTS = ((None, None, 4, 3, False), (64, 512, 8, 3, False), (128, 128, 4, 3, False),
+                   (None, None, 4, 3, True))
 
 
 def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique):

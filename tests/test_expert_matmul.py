@@ -77,18 +77,18 @@ _ref_grouped = jax.jit(ref.grouped_matmul, static_argnames=("rows_per_tile",))
 
 # name -> (experts, N, K, experts per row)
 GATHER_CASES = {
-    "one_pair": (4, 64, 64, [2]),
+    "one_pair": (4, 64, 128, [2]),
     "decode_six_distinct": (8, 32, 256, [7, 0, 3, 5, 1, 6]),
     "repeated_expert": (3, 16, 128, [1, 1, 0, 1, 2]),
     "narrow_n_long_k": (2, 16, 512, [1, 0, 0]),
-    "wide_n_odd_rows": (5, 192, 64, [4, 4, 2, 0, 3, 1, 0]),
+    "wide_n_odd_rows": (5, 192, 384, [4, 4, 2, 0, 3, 1, 0]),
 }
 
 # name -> (experts, N, K, pairs, rows per tile)
 GROUPED_CASES = {
-    "many_rows_one_expert": (4, 32, 64, [1] * 37 + [3] * 2, 16),
+    "many_rows_one_expert": (4, 32, 128, [1] * 37 + [3] * 2, 16),
     "empty_experts_and_dead_tiles": (6, 48, 128, [5, 0, 5, 5, 0, 2], 16),
-    "one_pair": (3, 16, 64, [2], 16),
+    "one_pair": (3, 16, 256, [2], 16),
     "tile_of_32_rows": (4, 64, 128, [0, 3, 3, 1] * 10, 32),
 }
 
@@ -108,9 +108,7 @@ class GatherBase:
         assert out.shape == (len(ids), n) and out.dtype == jnp.bfloat16
         check_oracle(out, x, np_dense(w_np, s_np)[np.asarray(ids)])
         base = _ref_gather(x, w, s, e)
-        # exact products in both; only the fp32 summation order may differ (measured: identical
-        # on every case here in interpret mode; at most 1 bf16 ulp allowed)
-        assert int(np.max(ulps(out, base))) <= 1
+        self.check_close_to_reference(out, base)
 
     @pytest.mark.parametrize("case", list(GROUPED_CASES))
     def test_grouped_matches_float64_oracle_and_reference(self, case):
@@ -126,7 +124,17 @@ class GatherBase:
         sorted_ids = np.asarray(ids)[np.asarray(order)]
         check_oracle(out[:r], xs[:r], np_dense(w_np, s_np)[sorted_ids])
         base = _ref_grouped(xs, w, s, te, row0, valid, c)
-        assert int(np.max(ulps(out[:r], base[:r]))) <= 1
+        self.check_close_to_reference(out[:r], base[:r])
+
+    @staticmethod
+    def check_close_to_reference(out, base):
+        # exact products in both: only the fp32 summation order differs (the kernel adds K in
+        # permuted 8-column groups). Outputs whose exact value nearly cancels can then round
+        # several ulps apart (both stay inside the oracle bound above), so the claim pinned here
+        # is that almost all outputs are bit-identical. Measured in interpret mode: >= 0.9992 on
+        # every case (worst wide_n_odd_rows); 0.97 leaves room for a compiled kernel's order.
+        print(f"bit-identical {np.mean(ulps(out, base) == 0):.4f}")
+        assert np.mean(ulps(out, base) == 0) >= 0.97
 
 
 class TestReference(GatherBase):
@@ -147,6 +155,26 @@ class TestKernelGPU(GatherBase):
 class TestKernelGPUSubnormalDecode(TestKernelGPU):
     # no interpret twin: XLA on CPU flushes subnormals, which this decode must not meet
     block_sizes = api.BlockSizes(subnormal_decode=True)
+
+
+@needs_gpu
+def test_released_size_experts_beyond_int32_byte_offsets():
+    """384 experts of [2304, 5120]: the packed tensor holds 2.26e9 bytes, so experts >= 364
+    start beyond 2^31 bytes (an int32 byte offset would wrap)."""
+    n_exp, n, k = 384, 2304, 5120
+    kw, ks = jax.random.split(jax.random.key(0))
+    w = jax.random.bits(kw, (n_exp, n, k // 2), jnp.uint8).view(jnp.int8)
+    s = jax.lax.bitcast_convert_type(jax.random.randint(ks, (n_exp, n, k // 32), 118, 122).astype(jnp.uint8),
+                                     jnp.float8_e8m0fnu)
+    ids = [383, 0, 200, 365, 364, 383]
+    x = quant.act_quant_dequant(jax.random.normal(jax.random.key(1), (len(ids), k), jnp.float32)).astype(jnp.bfloat16)
+    e = jnp.asarray(ids, jnp.int32)
+    out = _gather(x, w, s, e, implementation="pallas", interpret=False, block_sizes=None)
+    base = _ref_gather(x, w, s, e)
+    GatherBase.check_close_to_reference(out, base)
+    cols = slice(0, 64)  # float64 oracle on a slice of N (the full one is 70M products per row)
+    dense = np_dense(np.asarray(w[np.asarray(ids), cols]), np.asarray(s[np.asarray(ids), cols]).view(np.uint8))
+    check_oracle(out[:, cols], x, dense)
 
 
 def test_grouped_tiles_cover_every_pair_once():

@@ -37,7 +37,7 @@ class BlockSizes:
     """Tiles of the GPU kernel; None picks a default from the rows per tile.
 
     block_n: output columns per program (power of 2 >= 16 dividing N).
-    block_k: reduction step (power of 2 >= 64 dividing K; 32-column scale groups stay whole).
+    block_k: reduction step (power of 2 >= 128 dividing K; 32-column scale groups stay whole).
     num_warps, num_stages: Triton launch parameters.
     subnormal_decode: decode e2m1 with five integer operations through an fp32 subnormal (the
       decode's integer work, not HBM, bounds the kernel at few rows; exact where the GPU keeps
@@ -54,7 +54,7 @@ class BlockSizes:
         # fill the SMs and a long K step keeps loads wide; many rows: square-ish MMA tiles.
         # Defaults halve until they divide the shape (the kernel rejects what still does not).
         block_n = self.block_n or _fit(64 if rows <= 16 else 128, n, 16)
-        block_k = self.block_k or _fit(256 if rows <= 16 else 64, k, 64)
+        block_k = self.block_k or _fit(256 if rows <= 16 else 128, k, 128)
         return dataclasses.replace(self, block_n=block_n, block_k=block_k)
 
 

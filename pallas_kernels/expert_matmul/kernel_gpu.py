@@ -4,10 +4,11 @@ matrix each, widened inside the kernel (never in HBM).
 One program per (tile, N block). A tile is up to `rows` consecutive rows of x that all use one
 expert (the MoE's gather path: one (token, expert) pair per tile; the grouped path: rows sorted by
 expert). The program reads its tile's expert id, first row and row count from three int32 arrays,
-then walks K in blocks: loads the packed bytes [block_n, block_k/2] and the e8m0 bytes
-[block_n, block_k/32] of that expert, decodes e2m1 codes arithmetically (no table), multiplies by
-the power-of-two scale in fp32 (exact), rounds to bf16 (exact: <= 4 significant bits) and feeds
-the tensor cores with the x rows [rows, block_k]. fp32 accumulation, one bf16 rounding, a masked
+then walks K in blocks: loads the packed codes as int32 words [block_n, block_k/8] and the e8m0
+bytes [block_n, block_k/32] of that expert, decodes the 8 codes of each word arithmetically (no
+table), multiplies by the power-of-two scale in fp32 (exact), rounds to bf16 (exact: <= 4
+significant bits) and feeds the tensor cores, one dot per code position, with the matching x
+columns [rows, block_k/8]. fp32 accumulation, one bf16 rounding, a masked
 store of the tile's valid rows. A dead tile (0 rows) stores nothing.
 
 Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
@@ -60,28 +61,30 @@ def _e2m1_subnormal_f32(code: jax.Array) -> jax.Array:
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: int, block_n: int,
             block_k: int, n_kblocks: int, subnormal_decode: bool):
-    # te/row0/valid_ref [T] int32; x_ref [M, K] bf16; w_ref [E, N, K/2] int8; s_ref [E, N, K/32] uint8
+    # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
+    # `expert_matmul`); w_ref [E, N, K/8] int32 (8 codes a word); s_ref [E, N, K/32] uint8
     # o_ref [M, N] bf16 (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n))
     t = pl.program_id(0)
     n0 = pl.program_id(1) * block_n
     e = te_ref[t]
     row0 = row0_ref[t]
     valid = valid_ref[t]
-    kp, ks = block_k // 2, block_k // 32
+    kw, ks = block_k // 8, block_k // 32
     decode = _e2m1_subnormal_f32 if subnormal_decode else _e2m1_f32
+    dims = (((1,), (1,)), ((), ()))
 
     @pl.when(valid > 0)
     def _():
-        def body(j, acc):
-            xb = x_ref[pl.ds(row0, rows), pl.ds(j * block_k, block_k)]  # [rows, bk] bf16
-            packed = w_ref[e, pl.ds(n0, block_n), pl.ds(j * kp, kp)].astype(jnp.int32) & 0xFF  # [bn, bk/2]
-            sb = s_ref[e, pl.ds(n0, block_n), pl.ds(j * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
-            # packed column c holds K columns 2c, 2c+1: both in scale group c // 16
-            sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 16)).reshape(block_n, kp)
-            lo = (decode(packed & 0xF) * sf).astype(jnp.bfloat16)  # even K columns, exact
-            hi = (decode(packed >> 4) * sf).astype(jnp.bfloat16)  # odd K columns
-            wb = jnp.stack([lo, hi], axis=-1).reshape(block_n, block_k)
-            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        def body(jb, acc):
+            words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
+            sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
+            # word c of the block holds K columns 8c .. 8c+7, all in scale group c // 4
+            sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
+            for j in range(8):  # code j of every word: K columns 8c + j, x columns j*kw + c
+                wj = (decode((words >> (4 * j)) & 0xF) * sf).astype(jnp.bfloat16)  # [bn, kw], exact
+                xj = x_ref[pl.ds(row0, rows), pl.ds(jb * block_k + j * kw, kw)]  # [rows, kw] bf16
+                acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
+            return acc
 
         acc = jax.lax.fori_loop(0, n_kblocks, body, jnp.zeros((rows, block_n), jnp.float32))
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
@@ -95,6 +98,12 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
 
+    The packed weight is read as int32 words [E, N, K/8]: element offsets then stay below 2^31
+    for the released experts (384 x 2304 x 2560 bytes would not), and each word yields 8 codes
+    with shifts. Instead of interleaving the decoded codes back into K order, x's columns are
+    permuted to match within each K block (a dot's result does not depend on the K order beyond
+    fp32 summation order).
+
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     m, k = x.shape
     n_exp, n, k2 = w.shape
@@ -104,14 +113,20 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
         raise NotImplementedError(f"rows per tile must be a power of 2 >= 16 for tensor-core tiles, got {rows=}")
     if not _pow2(block_n) or block_n < 16 or n % block_n:
         raise NotImplementedError(f"block_n must be a power of 2 >= 16 dividing {n=}, got {block_n=}")
-    if not _pow2(block_k) or block_k < 64 or k % block_k:
-        raise NotImplementedError(f"block_k must be a power of 2 >= 64 dividing {k=}, got {block_k=}")
-    smem = num_stages * (rows * block_k * 2 + block_n * block_k // 2 + block_n * block_k // 32) + block_n * block_k * 2
+    if not _pow2(block_k) or block_k < 128 or k % block_k:
+        raise NotImplementedError(f"block_k must be a power of 2 >= 128 dividing {k=}, got {block_k=}")
+    if max(n_exp * n * (k // 8), m * max(k, n)) >= 2**31:
+        raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
+    smem = num_stages * (rows * block_k * 2 + block_n * block_k // 2 + block_n * block_k // 32)
     if smem > _SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
                                   f"({rows=}, {block_n=}, {block_k=}, {num_stages=})")
     if s.dtype != jnp.uint8:
         s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    words = jax.lax.bitcast_convert_type(w.reshape(n_exp, n, k // 8, 4), jnp.int32)  # little-endian bytes
+    kw = block_k // 8
+    # within each K block, column 8c + j moves to j * kw + c (code j of word c)
+    xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
     t = tile_expert.shape[0]
     kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
                                subnormal_decode=subnormal_decode)
@@ -120,10 +135,10 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         grid=(t, n // block_n),
-        in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k)), whole((n_exp, n, k2)),
+        in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k)), whole((n_exp, n, k // 8)),
                   whole((n_exp, n, k // 32))],
         out_specs=whole((m, n)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="expert_matmul_fp4",
-    )(tile_expert.astype(jnp.int32), tile_row0.astype(jnp.int32), tile_valid.astype(jnp.int32), x, w, s)
+    )(tile_expert.astype(jnp.int32), tile_row0.astype(jnp.int32), tile_valid.astype(jnp.int32), xp, words, s)
