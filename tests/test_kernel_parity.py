@@ -1,17 +1,22 @@
 """Golden prefill parity with the Pallas kernels in the model (SPEC §20), teacher-forced per block.
 
-`ModelArgs.kernels="pallas"` routes both Pallas-backed sites of every block, the Sinkhorn split of
-the two hyper-connection mixes and the sparse attention, through the kernels; the arrays are then
-held to the same criteria as the reference path (`dsv41_jax.parity.compare`, and the block outputs'
-bit-identical fraction of tests/test_model_parity.py).
+`ModelArgs.kernels="pallas"` routes both Pallas-backed sites of every block through the kernels'
+api: the Sinkhorn split of the two hyper-connection mixes runs the kernel; the sparse attention
+asks for float64 rounding (the model's call), which the f32 kernels cannot give, so the api runs
+the float64 reference there and logs it. The arrays are held to the criteria of the reference path
+(`dsv41_jax.parity.compare`, and the bit-identical fraction of tests/test_model_parity.py).
 
-On CPU the GPU kernels run in Pallas interpret mode (`kernels_interpret=True`) over the first
-`CPU_LAYERS` blocks of the first golden set (window-only blocks, one with Engram, and a ratio-2
-source: both kernels, the attention over window and compressed rows), because interpret mode costs
-several seconds per block. Every block of both shipped sets was run so once (about 5 min of CPU)
-and passed with the reference path's figures: block_out max |err| 0.031 (tiny-a L05) / 0.0625
-(tiny-c L06, L08), differing fraction at most 0.47% (tiny-c L08), pre-mix max 1.0e-4, logits
-within the bound. The `gpu`-marked test runs every block of every set compiled.
+Why attention stays float64: an f32-accurate attention rounds 0.04-0.2% of its bf16 outputs to the
+other neighbour of the float64 value, and on the golden sets the next fp8 quantisation and the
+routing amplify such flips past the bounds. Measured on CPU: the f32 kernel (interpret mode) fails
+tiny-a at blocks 0-2, 4 and 8 (block_out max |err| 3.7 at L01 through a changed expert), the XLA
+f32 reference fails tiny-c at block 1 (0.19); a float64 version of the kernel passed both sets
+in interpret mode but computed wrong values on the H200 (Triton f64 dot) and ran 2.3x slower than
+the XLA float64 reference, so it was dropped. The negative twin below pins the first finding.
+
+On CPU the kernels run in Pallas interpret mode (`kernels_interpret=True`) over the first
+`CPU_LAYERS` blocks of the first golden set; the `gpu`-marked test runs every block of every set
+with the kernels compiled.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from dsv41_jax.parity import NOT_IN_TEXT_MODEL, GoldenSet
 from pallas_kernels.sinkhorn import kernel_gpu as sinkhorn_gpu
 from pallas_kernels.sparse_attention import kernel_gpu as attn_gpu
 
-# blocks run in interpret mode on CPU: layers 0-2 of tiny-a (window, window + Engram, ratio-2 source)
-CPU_LAYERS = 3
+# blocks run in interpret mode on CPU: tiny-a layers 0-1 (four Sinkhorn sites, one block with Engram)
+CPU_LAYERS = 2
 # the block-output criterion of tests/test_model_parity.py (reference path: at most 0.46% differ)
 MAX_DIFFERING_FRACTION = 0.01
+F64_NOTE = "float64 rounding was asked for"
 
 HAS_GPU = jax.default_backend() == "gpu"
 
@@ -63,7 +69,8 @@ def _counting(monkeypatch, module, name, counter):
 
 
 def _run(path: str, interpret: bool, n_layers: int | None, monkeypatch, caplog):
-    """Teacher-forced prefill with the kernels on; asserts both kernels were traced and no site fell back."""
+    """Teacher-forced prefill with kernels="pallas": asserts the Sinkhorn kernel was traced, that
+    attention went to the float64 reference (logged), and that nothing else fell back."""
     traced: dict[str, int] = {}
     _counting(monkeypatch, sinkhorn_gpu, "hc_split_sinkhorn", traced)
     _counting(monkeypatch, attn_gpu, "sparse_attn", traced)
@@ -71,8 +78,9 @@ def _run(path: str, interpret: bool, n_layers: int | None, monkeypatch, caplog):
     jax.clear_caches()  # the blocks' jit caches must not serve a trace of the reference path
     with caplog.at_level(logging.WARNING):
         port = parity.teacher_forced_prefill(model, gs, n_layers=n_layers)
-    assert "using the reference" not in caplog.text, caplog.text
-    assert traced.get("hc_split_sinkhorn", 0) > 0 and traced.get("sparse_attn", 0) > 0, traced
+    notes = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert notes and all(F64_NOTE in m for m in notes), notes  # attention: f64 reference, nothing else
+    assert traced.get("hc_split_sinkhorn", 0) > 0 and "sparse_attn" not in traced, traced
     return port, gs
 
 
@@ -99,6 +107,26 @@ def test_prefill_parity_with_interpreted_kernels_on_first_blocks(monkeypatch, ca
         pytest.skip("interpret mode is the CPU path; the gpu test compiles the kernels")
     port, gs = _run(str(GOLDEN_DIRS[0]), True, CPU_LAYERS, monkeypatch, caplog)
     _assert_parity(port, gs, CPU_LAYERS)
+
+
+def test_f32_attention_kernel_breaks_golden_parity(monkeypatch):
+    """Negative twin: the f32 kernel in the model's attention fails block 0 of tiny-a (measured:
+    block_out max |err| 0.156, pre-mix 4.7e-4 > 3e-4), which is why the model asks for float64."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("interpret mode is the CPU path")
+    from dsv41_jax import attention
+
+    original = attention.sparse_attn
+    monkeypatch.setattr(attention, "sparse_attn", functools.partial(original, accumulate="f32"))
+    model, gs = _kernel_model(str(GOLDEN_DIRS[0]), True)
+    jax.clear_caches()
+    try:
+        port = parity.teacher_forced_prefill(model, gs, n_layers=1)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    failed = [r[0] for r in parity.compare(port, gs) if not r[1]]
+    assert failed, "f32 attention passes golden parity: revisit the float64 choice in attention.py's calls"
 
 
 @pytest.mark.gpu

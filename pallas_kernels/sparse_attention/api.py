@@ -6,15 +6,16 @@ CPU). A shape the kernel does not handle falls back to the reference with a logg
 the shape and the reason; bad arguments raise ValueError first. Gradients come from the reference
 math in f32 (custom VJP).
 
-`accumulate` picks the precision on both paths: "f64" (the default, the model's choice) is the
-float64 oracle's rounding (the GPU kernel computes in float64; the TPU kernel has none and falls
-back loudly), "f32" the f32-accurate tensor-core mode (`BlockSizes.split_probs`); see
-benchmarks/README.md for their cost and error.
+`accumulate` is the precision: "f64" (the default, the model's choice) is the float64 oracle's
+rounding, which only the reference computes: the kernels are f32 (an f32-accurate result rounds
+0.04-0.2% of outputs to the other bf16 neighbour, and on the golden sets such flips, amplified by
+the next fp8 quantisation and by routing, break block parity), so a float64 request on the kernel
+path falls back to the reference with a logged note. "f32" runs the kernels
+(`BlockSizes.split_probs`); see benchmarks/README.md for cost and error of each.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -47,6 +48,8 @@ class BlockSizes:
       recompute nothing, and the accumulator shrinks.
     num_splits: index splits per query row (GPU; > 1 writes f32 partials and combines them).
     num_warps, num_stages: Triton launch parameters (GPU).
+    Defaults (GPU, measured on the H200, benchmarks/README.md): all columns per program and
+    16 heads with 4 warps up to 1024 query rows (decode), 32 heads with 8 warps above (prefill).
     split_probs (the f32 mode only): p.V with p as two bf16 terms (f32-accurate: on the H200 0.2%
       of outputs round differently from the float64 oracle) rather than one bf16 rounding of p
       (34-36% differ by an ulp, 1.8x faster in decode at B=64 and 4.4x in prefill).
@@ -55,22 +58,27 @@ class BlockSizes:
     block_d: int | None = None
     block_h: int | None = None
     num_splits: int | None = None
-    num_warps: int = 8
+    num_warps: int | None = None
     num_stages: int = 2
     split_probs: bool = True
 
-    def resolved(self, target: Target, rows: int, d: int, k: int, h: int = 64, f64: bool = False) -> BlockSizes:
+    def resolved(self, target: Target, rows: int, d: int, k: int, h: int = 64) -> BlockSizes:
         hp = max(16, pl_next_pow2(h))
-        if target == "gpu" and f64:
-            # f64 tiles: 16 heads x all columns keeps the accumulator and the widened row tile in
-            # registers at 8 warps, and no logit is computed twice
-            block_k, block_d, block_h = self.block_k or 16, min(self.block_d or d, d), min(self.block_h or 16, hp)
+        num_warps = self.num_warps
+        if target == "gpu" and self.split_probs:
+            # head blocks shrink the [heads, d] f32 accumulator instead of splitting the columns
+            # (which recomputes the logits): 16 heads x 512 at 4 warps for decode, 32 heads at 8
+            # warps once there are enough rows (measured on H200, benchmarks/README.md)
+            decode = rows <= 1024
+            block_k = self.block_k or 32
+            block_d = min(self.block_d or d, d)
+            block_h = min(self.block_h or (16 if decode else 32), hp)
+            num_warps = num_warps or (4 if decode else 8)
         elif target == "gpu":
-            # two bf16 terms of p double the p.V operands: narrower column blocks keep the f32
-            # accumulator and both tiles out of local memory (measured on H200, benchmarks/README.md)
-            block_k = self.block_k or (32 if self.split_probs else 64)
-            block_d = min(self.block_d or (256 if self.split_probs else d), d)
+            block_k = self.block_k or 64
+            block_d = min(self.block_d or d, d)
             block_h = min(self.block_h or hp, hp)
+            num_warps = num_warps or 8
         else:
             block_k, block_d, block_h = self.block_k or 128, d, h
         num_splits = self.num_splits
@@ -79,7 +87,8 @@ class BlockSizes:
             # a program is heavy (all heads, every listed row): half a wave of them already beats
             # paying for f32 partials (measured on H200); below that, split the index list
             num_splits = 1 if programs >= _SMS // 2 else max(1, min(pl_cdiv(k, block_k), pl_cdiv(_SMS, programs)))
-        return dataclasses.replace(self, block_k=block_k, block_d=block_d, block_h=block_h, num_splits=num_splits)
+        return dataclasses.replace(self, block_k=block_k, block_d=block_d, block_h=block_h, num_splits=num_splits,
+                                   num_warps=num_warps or 8)
 
 
 def pl_cdiv(a: int, b: int) -> int:
@@ -106,24 +115,19 @@ def _validate(q, kv, attn_sink, idx, scale):
         raise TypeError(f"scale must be a python float (static), got {type(scale)=}")
 
 
-def _run_kernel(q, kv, attn_sink, idx, *, scale, target, bs, f64, interpret):
+def _run_kernel(q, kv, attn_sink, idx, *, scale, target, bs, interpret):
     if target == "gpu":
-        # the f64 mode's widened operands need 64-bit types, enabled only around the kernel
-        with jax.enable_x64(True) if f64 else contextlib.nullcontext():
-            return kernel_gpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, block_d=bs.block_d,
-                                          block_h=bs.block_h, num_splits=bs.num_splits, num_warps=bs.num_warps,
-                                          num_stages=bs.num_stages, split_probs=bs.split_probs, f64=f64,
-                                          interpret=interpret)
-    if f64:
-        raise NotImplementedError("the TPU kernel has no float64 mode (accumulate='f32' selects its f32 mode)")
+        return kernel_gpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, block_d=bs.block_d,
+                                      block_h=bs.block_h, num_splits=bs.num_splits, num_warps=bs.num_warps,
+                                      num_stages=bs.num_stages, split_probs=bs.split_probs, interpret=interpret)
     return kernel_tpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, split_probs=bs.split_probs,
                                   interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attn(q, kv, attn_sink, idx, config):
-    scale, target, bs, f64, interpret = config
-    return _run_kernel(q, kv, attn_sink, idx, scale=scale, target=target, bs=bs, f64=f64, interpret=interpret)
+    scale, target, bs, interpret = config
+    return _run_kernel(q, kv, attn_sink, idx, scale=scale, target=target, bs=bs, interpret=interpret)
 
 
 def _attn_fwd(q, kv, attn_sink, idx, config):
@@ -148,9 +152,9 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
     kv, -1 = skip); scale: python float on q.kv (not on the sink) -> bf16 [b, m, h, d].
     out = sum_t e^{l_t} kv[t] / (sum_t e^{l_t} + e^{sink_h}); a row with no valid index gives 0.
 
-    accumulate: the precision of either path: "f64" (the oracle's rounding; the GPU kernel's
-    float64 mode) or "f32" (the kernels' f32 online softmax on the tensor cores; see kernel_gpu
-    for the error budget). target: which kernel ("gpu" Triton, "tpu" Mosaic), default from the
+    accumulate: "f64" (the oracle's rounding: always the reference, logged when a kernel was
+    asked for) or "f32" (the kernels' f32 online softmax on the tensor cores, see kernel_gpu for
+    the error budget; the reference in f32 where no kernel runs). target: which kernel ("gpu" Triton, "tpu" Mosaic), default from the
     backend (GPU on CPU, for interpret runs).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
     """
@@ -164,13 +168,18 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
 
     if not use_kernel:
         return reference()
+    if accumulate == "f64":
+        # "auto" meets this on every GPU/TPU trace of the model (its default): a note, not a warning
+        logger.log(logging.INFO if implementation == "auto" else logging.WARNING,
+                   "sparse_attn: the %s kernel computes in f32, float64 rounding was asked for (q %s); "
+                   "using the reference in float64", target, q.shape)
+        return reference()
     b, m, h, d = q.shape
-    f64 = accumulate == "f64"
-    bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1], h, f64)
-    config = (float(scale), target, bs, f64, interpret)
+    bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1], h)
+    config = (float(scale), target, bs, interpret)
     try:
         # trace once here so an unsupported case surfaces (and falls back) outside custom_vjp
-        jax.eval_shape(functools.partial(_run_kernel, scale=float(scale), target=target, bs=bs, f64=f64,
+        jax.eval_shape(functools.partial(_run_kernel, scale=float(scale), target=target, bs=bs,
                                          interpret=interpret), q, kv, attn_sink, idx)
     except NotImplementedError as e:
         logger.warning("sparse_attn: %s kernel does not handle q %s kv %s idx %s (%s); using the reference",

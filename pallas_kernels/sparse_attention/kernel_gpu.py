@@ -7,15 +7,8 @@ p [block_h, block_k] x kv -> [block_h, block_d]. Head blocks below all heads re-
 gathered rows (from L2 when the programs of one query run together) without recomputing anything;
 column blocks below head_dim recompute the logits.
 
-Two precisions (`f64`):
-* float64 (the default of the api, the model's choice): q, kv and the sink widened to f64 in
-  registers, logits, online softmax, p.V and the division in f64, then f64 -> f32 -> bf16, the
-  conversion path of the float64 oracle, so the rounding is the oracle's (the golden parity needs
-  this: an f32-accurate result flips ~4 in 10^4 bf16 roundings, enough to change a routing
-  decision downstream);
-* float32, on the tensor cores:
-
-  (numerics stated against the float64 oracle `reference.sparse_attn`)
+Numerics (stated against the float64 oracle `reference.sparse_attn`; the kernel is f32 only, the
+api sends float64 requests to the reference):
 * logits: bf16 x bf16 products are exact; the d-long sums accumulate in f32.
 * online softmax in f32, the running max starting at the head's sink logit (so it equals the
   oracle's max(logits, sink) and never meets -inf); the sink enters the denominator once, at the end.
@@ -24,8 +17,8 @@ Two precisions (`f64`):
   accuracy. Without it p is rounded once to bf16 (the upstream tilelang kernel's choice), faster,
   about 2^-9 relative error per weight.
 * the final division is IEEE round-to-nearest (`div.rn.f32`), then one rounding to bf16.
-With several index splits the kernel writes partials (acc, running max, sum; f32, or f64) and a
-small XLA combine rescales and adds them in the same precision.
+With several index splits the kernel writes f32 partials (acc, running max, sum) and a small XLA
+combine rescales and adds them in f32.
 """
 
 from __future__ import annotations
@@ -63,15 +56,14 @@ def _round_bf16_f32(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: int, n_blocks: int,
-            block_d: int, n_col: int, finalize: bool, split_probs: bool, f64: bool, interpret: bool):
+            block_d: int, n_col: int, finalize: bool, split_probs: bool, interpret: bool):
     # idx_ref [ks] int32 (this split's slots); q_ref [block_h, d] bf16; kv_ref [n, d] bf16;
     # sink_ref [block_h] f32. finalize: out_refs = (o_ref [block_h, block_d] bf16,)
-    # else: out_refs = (acc_ref [block_h, block_d], m_ref [block_h], l_ref [block_h]), f32 or f64
-    acc_t = jnp.float64 if f64 else jnp.float32
+    # else: out_refs = (acc_ref [block_h, block_d] f32, m_ref [block_h] f32, l_ref [block_h] f32)
     h, d = q_ref.shape
     d0 = (pl.program_id(2) % n_col) * block_d
-    q = q_ref[...].astype(acc_t) if f64 else q_ref[...]
-    sink = sink_ref[...].astype(acc_t)
+    q = q_ref[...]
+    sink = sink_ref[...]
     dims = (((1,), (1,)), ((), ()))
 
     def body(j, carry):
@@ -80,18 +72,14 @@ def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: 
         valid = ids >= 0
         rows = jnp.where(valid, ids, 0)
         k = kv_ref[rows, :]  # [bk, d] gathered latent rows
-        if f64:
-            k = k.astype(acc_t)
-        s = jax.lax.dot_general(q, k, dims, preferred_element_type=acc_t) * scale  # [h, bk]
+        s = jax.lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * scale  # [h, bk]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # >= sink: finite
         alpha = jnp.exp(m_i - m_new)
         p = jnp.exp(s - m_new[:, None])  # masked slots: exp(-inf) = 0
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         v = k if block_d == d else kv_ref[rows, pl.ds(d0, block_d)]  # [bk, block_d]
-        if f64:
-            pv = jnp.dot(p, v.astype(acc_t), preferred_element_type=acc_t)
-        elif split_probs:
+        if split_probs:
             p_hi = _round_bf16_f32(p, interpret)
             pv = jnp.dot(p_hi.astype(v.dtype), v, preferred_element_type=jnp.float32)
             pv = pv + jnp.dot((p - p_hi).astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -99,17 +87,12 @@ def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: 
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l_new, acc * alpha[:, None] + pv
 
-    init = (sink, jnp.zeros((h,), acc_t), jnp.zeros((h, block_d), acc_t))
-    # int32 bounds: the loop index stays int32 when the f64 mode runs with 64-bit types enabled
-    m_i, l_i, acc = jax.lax.fori_loop(jnp.int32(0), jnp.int32(n_blocks), body, init)
+    init = (sink, jnp.zeros((h,), jnp.float32), jnp.zeros((h, block_d), jnp.float32))
+    m_i, l_i, acc = jax.lax.fori_loop(0, n_blocks, body, init)
     if finalize:
         (o_ref,) = out_refs
         den = l_i + jnp.exp(sink - m_i)  # the sink enlarges the denominator only
-        if f64:  # IEEE f64 division, then the oracle's f64 -> f32 -> bf16 path
-            out = _round_bf16_f32((acc / den[:, None]).astype(jnp.float32), interpret)
-        else:
-            out = _div_rn(acc, jnp.broadcast_to(den[:, None], acc.shape), interpret)
-        o_ref[...] = out.astype(o_ref.dtype)
+        o_ref[...] = _div_rn(acc, jnp.broadcast_to(den[:, None], acc.shape), interpret).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
@@ -118,26 +101,23 @@ def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: 
 
 
 def _combine(acc, m, l, sink):
-    """acc [r, s, h, d], m/l [r, s, h] (each split's max starts at the sink; f32 or f64), sink [h]
-    -> bf16 [r, h, d]."""
-    sink = sink.astype(acc.dtype)
+    """acc [r, s, h, d], m/l [r, s, h] (each split's max starts at the sink), sink [h] -> bf16 [r, h, d]."""
     mx = jnp.max(m, axis=1)  # [r, h]
     w = jnp.exp(m - mx[:, None])
     num = jnp.sum(acc * w[..., None], axis=1)
     den = jnp.sum(l * w, axis=1) + jnp.exp(sink[None, :] - mx)
     # the barrier keeps XLA from turning the broadcast division into a reciprocal multiply
     out = num / jax.lax.optimization_barrier(jnp.broadcast_to(den[..., None], num.shape))
-    out = out.astype(jnp.float32)  # f64 partials: the oracle's f64 -> f32 -> bf16 path
     return jax.lax.reduce_precision(out, exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
 
 
 def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Array, scale: float, *,
                 block_k: int, block_d: int, block_h: int, num_splits: int, num_warps: int, num_stages: int,
-                split_probs: bool, f64: bool, interpret: bool) -> jax.Array:
+                split_probs: bool, interpret: bool) -> jax.Array:
     """q bf16 [b, m, h, d]; kv bf16 [b, n, d]; attn_sink f32 [h]; idx int32 [b, m, k] -> bf16 [b, m, h, d].
 
     block_h: heads per program (a power of 2 >= 16; the heads are padded to a power of 2 >= 16,
-    block_h is clipped to that). f64: the float64 mode (module doc); split_probs: the f32 mode's p.V.
+    block_h is clipped to that). split_probs: p.V from two bf16 terms of p (module doc).
     Raises NotImplementedError for shapes the Triton lowering cannot take (the caller falls back)."""
     b, m, h, d = q.shape
     n, k = kv.shape[1], idx.shape[-1]
@@ -157,15 +137,12 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
     if not _pow2(block_h) or block_h < 16:
         raise NotImplementedError(f"block_h must be a power of 2 >= 16, got {block_h=}")
     # shared memory: the q tile, plus num_stages buffers of the gathered [block_k, d] rows (and of
-    # the [block_k, block_d] value slice when it is loaded separately), as bf16; in the f64 mode
-    # the dot operands are staged again as f64. Hopper allows 227 KiB a block.
+    # the [block_k, block_d] value slice when it is loaded separately); Hopper allows 227 KiB a block
     cols = d + (block_d if block_d < d else 0)
     smem = 2 * (block_h * d + num_stages * block_k * cols) + 4096
-    if f64:
-        smem += 8 * (block_h * d + block_k * cols + block_h * block_k)
     if smem > _SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
-                                  f"({block_h=}, {d=}, {block_k=}, {block_d=}, {num_stages=}, {f64=})")
+                                  f"({block_h=}, {d=}, {block_k=}, {block_d=}, {num_stages=})")
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
         attn_sink = jnp.pad(attn_sink, (0, hp - h))
@@ -185,20 +162,18 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
         pl.BlockSpec((None, n, d), lambda r, s, g: (r // m, 0, 0)),  # kv: the whole cache of batch r // m
         pl.BlockSpec((block_h,), lambda r, s, g: (g // n_col,)),  # sink
     ]
-    acc_t = jnp.float64 if f64 else jnp.float32
     if finalize:
         out_shape = jax.ShapeDtypeStruct((rows, hp, d), jnp.bfloat16)
         out_specs = pl.BlockSpec((None, block_h, block_d), lambda r, s, g: (r, g // n_col, g % n_col))
     else:
-        out_shape = (jax.ShapeDtypeStruct((rows, num_splits, hp, d), acc_t),
-                     jax.ShapeDtypeStruct((rows, num_splits, hp), acc_t),
-                     jax.ShapeDtypeStruct((rows, num_splits, hp), acc_t))
+        out_shape = (jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
+                     jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32))
         out_specs = (pl.BlockSpec((None, None, block_h, block_d), lambda r, s, g: (r, s, g // n_col, g % n_col)),
                      pl.BlockSpec((None, None, block_h), lambda r, s, g: (r, s, g // n_col)),
                      pl.BlockSpec((None, None, block_h), lambda r, s, g: (r, s, g // n_col)))
     kernel = functools.partial(_kernel, scale=float(scale), block_k=block_k, n_blocks=n_blocks, block_d=block_d,
-                               n_col=n_col, finalize=finalize, split_probs=split_probs, f64=f64,
-                               interpret=interpret)
+                               n_col=n_col, finalize=finalize, split_probs=split_probs, interpret=interpret)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
