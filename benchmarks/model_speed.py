@@ -361,8 +361,8 @@ def _compare(got, want) -> dict:
 
 
 # (block_n, block_k, num_warps, num_stages, subnormal_decode) tried on one projection
-KERNEL_VARIANTS = ((None, None, 4, 3, False), (64, 512, 8, 3, False), (128, 128, 4, 3, False),
-                   (None, None, 4, 3, True))
+KERNEL_VARIANTS = ((None, None, 4, 3, None), (64, 512, 8, 3, None), (32, 256, 4, 4, None),
+                   (None, None, 4, 3, False))
 
 
 def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique):
@@ -396,7 +396,7 @@ def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique
         impl = "reference" if variant is None else "pallas"
         bs = None if variant is None else em.BlockSizes(*variant)
         label = "xla" if variant is None else "kernel bn={} bk={} w={} s={}{}".format(
-            variant[0] or "auto", variant[1] or "auto", variant[2], variant[3], " subnormal" if variant[4] else "")
+            variant[0] or "auto", variant[1] or "auto", variant[2], variant[3], " select-decode" if variant[4] is False else "")
         try:
             f = make(impl, bs)
             t = timeit(lambda: f(*operands))

@@ -152,9 +152,25 @@ class TestKernelGPU(GatherBase):
 
 
 @needs_gpu
-class TestKernelGPUSubnormalDecode(TestKernelGPU):
-    # no interpret twin: XLA on CPU flushes subnormals, which this decode must not meet
-    block_sizes = api.BlockSizes(subnormal_decode=True)
+class TestKernelGPUSelectDecode(TestKernelGPU):
+    # the compiled default is the subnormal decode (no interpret twin: XLA on CPU flushes
+    # subnormals, and interpret mode defaults to this select-based decode)
+    block_sizes = api.BlockSizes(subnormal_decode=False)
+
+
+def test_subnormal_decode_is_wrong_where_subnormals_flush():
+    """Negative twin on CPU, where XLA flushes subnormals: the subnormal decode loses code 1
+    (0.5), so interpret mode must not use it by default."""
+    if HAS_GPU:
+        pytest.skip("CPU flush-to-zero rule")
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    words = jnp.asarray([0x76543210, 0xFEDCBA98 - 2**32], jnp.int32)  # codes 0..7 and 8..15
+    sub = np.concatenate([np.asarray(jax.jit(kernel_gpu._e2m1_subnormal_f32, static_argnums=1)(words, j)) for j in range(8)])
+    sel = np.concatenate([np.asarray(jax.jit(kernel_gpu._e2m1_f32)((words >> (4 * j)) & 0xF)) for j in range(8)])
+    assert np.any(sub != sel) and np.all(sel[np.abs(sub - sel) > 0] == 0.5 * np.sign(sel[np.abs(sub - sel) > 0]))
+    assert api.BlockSizes().resolved(16, 64, 256, interpret=True).subnormal_decode is False
+    assert api.BlockSizes().resolved(16, 64, 256, interpret=False).subnormal_decode is True
 
 
 @needs_gpu

@@ -40,22 +40,24 @@ class BlockSizes:
     block_k: reduction step (power of 2 >= 128 dividing K; 32-column scale groups stay whole).
     num_warps, num_stages: Triton launch parameters.
     subnormal_decode: decode e2m1 with five integer operations through an fp32 subnormal (the
-      decode's integer work, not HBM, bounds the kernel at few rows; exact where the GPU keeps
-      subnormals) instead of the select-based decode.
+      decode's integer work, not HBM, bounds the kernel at few rows) instead of the select-based
+      decode. None: on for compiled GPU kernels (the H200 keeps subnormals: the compiled oracle
+      tests pass), off in interpret mode (XLA on CPU flushes them).
     """
     block_n: int | None = None
     block_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
-    subnormal_decode: bool = False
+    subnormal_decode: bool | None = None
 
-    def resolved(self, rows: int, n: int, k: int) -> BlockSizes:
+    def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
         # few rows: the program streams weight bytes, so a narrow N block gives more programs to
         # fill the SMs and a long K step keeps loads wide; many rows: square-ish MMA tiles.
         # Defaults halve until they divide the shape (the kernel rejects what still does not).
         block_n = self.block_n or _fit(64 if rows <= 16 else 128, n, 16)
         block_k = self.block_k or _fit(256 if rows <= 16 else 128, k, 128)
-        return dataclasses.replace(self, block_n=block_n, block_k=block_k)
+        sub = (not interpret) if self.subnormal_decode is None else self.subnormal_decode
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, subnormal_decode=sub)
 
 
 def _fit(block: int, size: int, smallest: int) -> int:
@@ -84,7 +86,7 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, implementation, interpret, b
     if target != "gpu":
         logger.warning("expert_matmul: no %s kernel; using the reference", target)
         return None
-    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1])
+    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret)
     try:
         return kernel_gpu.expert_matmul(
             x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,

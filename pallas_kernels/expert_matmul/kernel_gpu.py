@@ -49,14 +49,16 @@ def _e8m0_f32(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _e2m1_subnormal_f32(code: jax.Array) -> jax.Array:
-    """int32 codes 0..15 -> fp32 e2m1 values through a subnormal: the three magnitude bits placed
-    at the exponent's two low bits and the mantissa's top bit ((code & 7) << 22 is the value
-    times 2^-126; code 1 is the subnormal 2^-127), the sign at bit 31, then one multiply by
-    2^126. Five integer operations and one fp32 multiply, against ~ten integer operations for
-    `_e2m1_f32`; exact unless the hardware flushes subnormals (the GPU oracle tests catch that)."""
-    v = jax.lax.bitcast_convert_type(((code & 7) << 22) | ((code & 8) << 28), jnp.float32)
-    return v * jnp.float32(2.0**126)
+def _e2m1_subnormal_f32(words: jax.Array, j: int) -> jax.Array:
+    """Code j (bits 4j..4j+3) of int32 words -> fp32 e2m1 values, through a subnormal: the three
+    magnitude bits moved straight to bits 22..24 (the exponent's two low bits and the mantissa's
+    top bit: the value times 2^-126, code 1 being the subnormal 2^-127) and the sign bit to bit
+    31, then one multiply by 2^126. Five integer operations per code against about a dozen for
+    `_e2m1_f32` of a shifted code; exact unless the hardware flushes subnormals (XLA on CPU does,
+    so interpret mode uses `_e2m1_f32`; the compiled-GPU oracle tests check it on the device)."""
+    mag = (words << (22 - 4 * j)) if 4 * j <= 22 else jax.lax.shift_right_logical(words, jnp.int32(4 * j - 22))
+    bits = (mag & 0x01C00000) | ((words << (28 - 4 * j)) & jnp.int32(-(2**31)))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) * jnp.float32(2.0**126)
 
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: int, block_n: int,
@@ -70,7 +72,6 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
     row0 = row0_ref[t]
     valid = valid_ref[t]
     kw, ks = block_k // 8, block_k // 32
-    decode = _e2m1_subnormal_f32 if subnormal_decode else _e2m1_f32
     dims = (((1,), (1,)), ((), ()))
 
     @pl.when(valid > 0)
@@ -81,7 +82,8 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
             # word c of the block holds K columns 8c .. 8c+7, all in scale group c // 4
             sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
             for j in range(8):  # code j of every word: K columns 8c + j, x columns j*kw + c
-                wj = (decode((words >> (4 * j)) & 0xF) * sf).astype(jnp.bfloat16)  # [bn, kw], exact
+                v = _e2m1_subnormal_f32(words, j) if subnormal_decode else _e2m1_f32((words >> (4 * j)) & 0xF)
+                wj = (v * sf).astype(jnp.bfloat16)  # [bn, kw], exact
                 xj = x_ref[pl.ds(row0, rows), pl.ds(jb * block_k + j * kw, kw)]  # [rows, kw] bf16
                 acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
             return acc
