@@ -20,8 +20,9 @@ process of a multi-host run reads them from its own devices.
 
 The command line runs on a mesh always: `--mesh expert=4,data=2` (it must use every device), by
 default `sharding.default_mesh_spec` over all devices. Multi-host (`--distributed`): "auto"
-(default) calls `jax.distributed.initialize()` before touching a device when the environment names
-a coordinator (JAX_COORDINATOR_ADDRESS) or is a multi-process SLURM / Open MPI / GKE TPU job
+(default) calls `jax.distributed.initialize()` before touching a device when `--coordinator
+HOST:PORT` is given (with `--num-processes N --process-id I`), the environment names a coordinator
+(JAX_COORDINATOR_ADDRESS) or is a multi-process SLURM / Open MPI / GKE TPU job
 (`distributed_environment`); "on" always calls it (jax detects the cluster itself, e.g. on Cloud
 TPU pods), "off" never. Only process 0 prints and writes --logits-out.
 `--plan` prints the memory plan of `dsv41_jax.plan` instead of generating.
@@ -390,17 +391,25 @@ def distributed_environment(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def init_distributed(mode: str = "auto", env: Mapping[str, str] | None = None) -> bool:
-    """Calls `jax.distributed.initialize()` for mode "on", or for "auto" when
-    `distributed_environment` finds a multi-process setting; must run before any device is used.
-    Returns whether it initialised."""
+def init_distributed(mode: str = "auto", env: Mapping[str, str] | None = None, *, coordinator: str | None = None,
+                     num_processes: int | None = None, process_id: int | None = None) -> bool:
+    """Calls `jax.distributed.initialize(coordinator, num_processes, process_id)` for mode "on",
+    or for "auto" when a coordinator is given or `distributed_environment` finds a multi-process
+    setting; must run before any device is used. Arguments left None are detected by jax (from
+    JAX_COORDINATOR_ADDRESS and the launcher). Returns whether it initialised."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"--distributed {mode!r}: expected auto, on or off")
-    found = distributed_environment(env) if mode == "auto" else None
+    if (num_processes is None) != (process_id is None):
+        raise ValueError("--num-processes and --process-id go together (or leave both to the launcher)")
+    if process_id is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"--process-id {process_id} is outside [0, --num-processes {num_processes})")
+    found = ("--coordinator" if coordinator else distributed_environment(env)) if mode == "auto" else None
     if mode == "off" or (mode == "auto" and found is None):
         return False
+    if getattr(jax.distributed, "is_initialized", lambda: False)():
+        return True  # a second command in the same processes
     log.info("jax.distributed.initialize() (%s)", found or "--distributed on")
-    jax.distributed.initialize()
+    jax.distributed.initialize(coordinator, num_processes, process_id)
     return True
 
 
@@ -447,8 +456,11 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", help="device mesh, e.g. expert=4,data=2 (axes data, expert, tensor; must use every "
                                   "device; default: expert = gcd(devices, routed experts), the rest data)")
     p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
-                   help="call jax.distributed.initialize(): auto = when the environment names a coordinator or "
-                        "is a multi-process SLURM / Open MPI / GKE TPU job")
+                   help="call jax.distributed.initialize(): auto = when --coordinator is given, the environment "
+                        "names one (JAX_COORDINATOR_ADDRESS) or is a multi-process SLURM / Open MPI / GKE TPU job")
+    p.add_argument("--coordinator", help="multi-host: HOST:PORT of process 0 (default: detected by jax)")
+    p.add_argument("--num-processes", type=int, help="multi-host: number of processes (default: detected by jax)")
+    p.add_argument("--process-id", type=int, help="multi-host: this process's index (default: detected by jax)")
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan per device for --mesh, --max-seq-len, --batch and exit")
     p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")
@@ -461,7 +473,7 @@ def main(argv=None) -> int:
             # --config wins; else the checkpoint's config; else the released config
             args = checkpoint_args(ns.ckpt) if ns.ckpt and not ns.config else plan.load_config(ns.config)
             print(plan.format_plan(plan.memory_plan(args, ns.mesh or plan.DEFAULT_PLAN_MESH, ns.max_seq_len,
-                                                    ns.batch)))
+                                                    ns.batch, prefill_tokens=ns.prefill_chunk)))
         except (ValueError, FileNotFoundError, ConfigError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -471,7 +483,8 @@ def main(argv=None) -> int:
             raise ValueError("--ckpt is required (except with --plan)")
         prompts, tokenizer = _prompts_from_args(ns)
         params = SamplingParams(ns.temperature, ns.top_k, ns.top_p)
-        init_distributed(ns.distributed)
+        init_distributed(ns.distributed, coordinator=ns.coordinator, num_processes=ns.num_processes,
+                         process_id=ns.process_id)
         batch = max(1, len(prompts))
         args = checkpoint_args(ns.ckpt, max_seq_len=ns.max_seq_len, max_batch_size=batch)
         mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)

@@ -27,8 +27,9 @@ Parts:
           MoE        the routed w1 / w3 outputs 2 x [b, S, topk, inter] f32 and the expert
                      outputs [b, S, topk, dim] bf16 (every token's experts computed locally)
       + logits [b, V] f32,
-    for the prefill of S = prefill_tokens positions (default max_seq_len: the generator prefills
-    a whole prompt in one call) and for a decode step (S = 1, the indexer scoring all
+    for one prefill call of S = prefill_tokens new positions (`--prefill-chunk`; default
+    max_seq_len: a whole prompt in one call) whose context reaches max_seq_len (the indexer of
+    the last chunk scores max_seq_len // r rows), and for a decode step (S = 1, scoring all
     max_seq_len // r cached rows); the larger of the two is the transient. It counts matmul
     outputs as materialised (the jnp reference path) and ignores XLA's own scratch space,
     fragmentation and the kernels' tiling, so read it as an order of magnitude.
@@ -102,7 +103,8 @@ def _state_layout(args: ModelArgs) -> tuple[dict, frozenset]:
 
 
 def transient_estimate(args: ModelArgs, rows: int, prefill_tokens: int, max_seq_len: int) -> dict[str, int]:
-    """The transient estimate of the module docstring, in bytes for `rows` rows on one device:
+    """The transient estimate of the module docstring, in bytes for `rows` rows on one device, for
+    prefill calls of `prefill_tokens` positions over a context of up to `max_seq_len`:
     {"prefill": ..., "decode": ..., "prefill layer": largest layer working set in prefill,
     "hc stream": ..., "logits": ...}."""
     a = args
@@ -123,7 +125,7 @@ def transient_estimate(args: ModelArgs, rows: int, prefill_tokens: int, max_seq_
         peak = max(layer_peak(i, s, keys) for i in range(a.n_layers))
         return 2 * b * s * a.hc_mult * a.dim * 2 + peak + b * a.vocab_size * 4, peak
 
-    prefill, prefill_layer = program(prefill_tokens, prefill_tokens)
+    prefill, prefill_layer = program(prefill_tokens, max_seq_len)
     decode, _ = program(1, max_seq_len)
     return {"prefill": prefill, "decode": decode, "prefill layer": prefill_layer,
             "hc stream": 2 * b * prefill_tokens * a.hc_mult * a.dim * 2, "logits": b * a.vocab_size * 4}
@@ -175,7 +177,7 @@ def memory_plan(args: ModelArgs, mesh: str | Mapping[str, int], max_seq_len: int
                 prefill_tokens: int | None = None, rules: shd.Rules = shd.DEFAULT_RULES) -> MemoryPlan:
     """The memory plan of `args` on a mesh given as a spec ("expert=8,data=1") or {axis: size}.
 
-    prefill_tokens: positions of one prefill call (default max_seq_len).
+    prefill_tokens: positions of one prefill call (a prefill chunk; default max_seq_len).
     Raises ShardingError if the expert axis does not divide the routed experts, ValueError for a
     non-positive batch, max_seq_len or prefill_tokens > max_seq_len.
     """
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="config.json (default: the released config)")
     ap.add_argument("--max-seq-len", type=int, default=65536)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prefill-tokens", type=int, help="positions per prefill call (default: max_seq_len)")
+    ap.add_argument("--prefill-tokens", type=int,
+                    help="positions per prefill call, as dsv41-generate --prefill-chunk (default: max_seq_len)")
     ns = ap.parse_args(argv)
     try:
         plan = memory_plan(load_config(ns.config), ns.mesh, ns.max_seq_len, ns.batch,

@@ -402,7 +402,8 @@ def state_partition_specs(args: ModelArgs, mesh: Mesh | Mapping[str, int], rules
 
 def state_logical_axes(args: ModelArgs) -> dict[str, tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
     """{path: (logical axes, abstract array)} for every Variable of `Transformer(args)`."""
-    return {path: (_STATE_AXES.get(path) or _axes_for(path, _PARAM_AXES_RE), a) for path, a in state_shapes(args).items()}
+    return {path: (_STATE_AXES.get(path) or _axes_for(path, _PARAM_AXES_RE), a)
+            for path, a in state_shapes(args).items()}
 
 
 def named_shardings(specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, NamedSharding]:

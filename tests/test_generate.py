@@ -1,5 +1,6 @@
 """generate(): compiled once, cache donated, buckets, sampling, eos, batches, the CLI, and the
-same run on an 8-device mesh (a subprocess with fake CPU devices) plus multi-host detection."""
+same run on an 8-device mesh over two processes (subprocesses with fake CPU devices), bad meshes,
+multi-host detection."""
 
 from __future__ import annotations
 
@@ -112,34 +113,28 @@ def test_cli_writes_tokens_and_logits(single_device_cli):
     assert r["tokens"].shape == (3, 4) and r["logits"].shape == (4, 3, 512) and r["logits"].dtype == np.float32
 
 
-_MESH_CHILD = """
+_HOST_CHILD = """
 import contextlib, io, json, sys
-import numpy as np
-from jax.sharding import PartitionSpec as P
-from convert import convert_checkpoint
+import jax
 from dsv41_jax import generate as G, sharding as shd
 from dsv41_jax.checkpoint_io import load_converted
-golden, work = sys.argv[1:3]
-cli_args = json.loads(sys.argv[3])
-conv = work + "/converted"
-convert_checkpoint(golden, conv, progress=False)
-report = {"errors": {}}
+conv, work, pid, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+cli_args = json.loads(sys.argv[5])
+report = {}
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
-    report["rc"] = G.main(["--ckpt", conv, "--mesh", "expert=4,data=2", *cli_args, "--logits-out", work + "/mesh.npz"])
+    report["rc"] = G.main(["--ckpt", conv, "--mesh", "expert=4,data=2", "--coordinator", "localhost:" + port,
+                           "--num-processes", "2", "--process-id", str(pid), *cli_args,
+                           "--logits-out", f"{work}/mesh{pid}.npz"])
 report["stdout"] = out.getvalue()
-for mesh in ("expert=3,data=2", "expert=8,data=2"):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = G.main(["--ckpt", conv, "--mesh", mesh, *cli_args])
-    report["errors"][mesh] = [rc, err.getvalue()]
+report["devices"] = [jax.process_count(), jax.device_count(), jax.local_device_count()]
 mesh = shd.make_mesh("expert=4,data=2")
 model, args = load_converted(conv, mesh, max_seq_len=64, max_batch_size=4)
 gen = G.Generator(model, max_seq_len=64, mesh=mesh, pad_batch=False)
 try:
     gen.generate([[5], [6], [7]], 1)
 except shd.ShardingError as e:
-    report["errors"]["batch"] = str(e)
+    report["batch_error"] = str(e)
 cache = gen._init_cache(4)  # born sharded: each device holds 2 of the 4 rows
 kv = cache["layers"][2]["compress_kv"]
 w1 = gen.state["layers"][3]["ffn"]["experts"]["w1"]["weight"][...]
@@ -149,27 +144,49 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def test_cli_on_an_expert4_data2_mesh_equals_the_single_device_run(tmp_path, single_device_cli):
-    """A converted tiny-a on 8 fake devices: same tokens and bit-identical logits (measured: max
-    |diff| 0) as one device from the hub files; the batch of 3 is padded to 4 for data=2."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _MESH_CHILD, str(TINY), str(tmp_path), json.dumps(CLI_ARGS)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[7:])
-    assert report["rc"] == 0, proc.stderr[-3000:]
-    assert "mesh: data=2,expert=4,tensor=1 over 8 cpu devices" in report["stdout"]
-    one, many = np.load(single_device_cli[2]), np.load(tmp_path / "mesh.npz")
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_hosts_on_an_expert4_data2_mesh_equal_the_single_device_run(tmp_path, single_device_cli):
+    """A converted tiny-a over 2 processes x 4 fake CPU devices (one 8-device mesh, gloo
+    collectives, jax.distributed via --coordinator): the same tokens and bit-identical logits
+    (measured: max |diff| 0) as one device from the hub files; the batch of 3 is padded to 4 for
+    data=2; only process 0 prints and writes --logits-out."""
+    from convert import convert_checkpoint
+
+    conv = tmp_path / "converted"
+    convert_checkpoint(TINY, conv, progress=False)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _HOST_CHILD, str(conv), str(tmp_path), str(i), port,
+                               json.dumps(CLI_ARGS)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    reports = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stderr[-3000:]
+            reports.append(json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))[7:]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for r in reports:
+        assert r["rc"] == 0 and r["devices"] == [2, 8, 4]
+        assert r["cache"] == [["data", None, None], [2] * 4]
+        assert r["experts"] == [["expert", None, None], 2]  # 8 experts over expert=4
+        assert "a batch of 3 rows is not a multiple of the mesh's data axis (2)" in r["batch_error"]
+    assert "mesh: data=2,expert=4,tensor=1 over 8 cpu devices, 2 process(es)" in reports[0]["stdout"]
+    assert reports[1]["stdout"] == "" and not (tmp_path / "mesh1.npz").exists()
+    one, many = np.load(single_device_cli[2]), np.load(tmp_path / "mesh0.npz")
     np.testing.assert_array_equal(many["tokens"], one["tokens"])
     np.testing.assert_array_equal(many["logits"], one["logits"])
-    assert report["cache"] == [["data", None, None], [2] * 8]
-    assert report["experts"] == [["expert", None, None], 2]  # 8 experts over expert=4
-    errors = report["errors"]
-    assert errors["expert=3,data=2"][0] == 2
-    assert "expert axis (3) must divide the number of routed experts (8)" in errors["expert=3,data=2"][1]
-    assert errors["expert=8,data=2"][0] == 2
-    assert "needs 16 devices, but 8 cpu devices are available" in errors["expert=8,data=2"][1]
-    assert "a batch of 3 rows is not a multiple of the mesh's data axis (2)" in errors["batch"]
 
 
 @pytest.mark.parametrize("env, found", [
@@ -200,6 +217,11 @@ def test_distributed_initialisation_is_skipped_without_a_coordinator_and_modes_a
     (["--prompt", "hi"], "--prompt needs --tokenizer"),
     (["--prompt", "hi", "--tokenizer", "/nonexistent/tokenizer.json"], "file not found"),
     (["--prompt-ids", "[1, 2]"], "list of lists"),
+    (["--prompt-ids", "[[1]]", "--mesh", "expert=3,data=2"],
+     "expert axis (3) must divide the number of routed experts (8)"),
+    (["--prompt-ids", "[[1]]", "--mesh", "expert=8,data=2"], "needs 16 devices, but 1 cpu devices are available"),
+    (["--prompt-ids", "[[1]]", "--mesh", "expert=2,pipeline=2"], "unknown axis 'pipeline'"),
+    (["--prompt-ids", "[[1]]", "--num-processes", "2"], "--num-processes and --process-id go together"),
 ])
 def test_cli_errors_name_the_problem(argv, message, capsys):
     assert G.main(["--ckpt", str(TINY), *argv]) == 2

@@ -91,22 +91,27 @@ def test_decode_transient_is_the_stated_sum_at_the_released_config(released):
 
 
 def test_prefill_transient_grows_with_the_square_of_the_prompt_at_the_indexer(released):
-    short = P.transient_estimate(released, 1, 4096, T64K)
-    # at 4096 tokens a compressed layer's attention leads: q, o + 640 gathered rows + f32 logits
+    # a whole 4096-token prompt in one call: a compressed layer's attention leads (q, o, 640
+    # gathered rows, f32 logits)
+    short = P.transient_estimate(released, 1, 4096, 4096)
     assert short["prefill layer"] == 2 * 4096 * 64 * 512 * 2 + 4096 * 640 * 512 * 2 + 4096 * 64 * 640 * 4
-    a = P.transient_estimate(released, 1, 8192, T64K)
-    b = P.transient_estimate(released, 1, 16384, T64K)
+    a = P.transient_estimate(released, 1, 8192, 8192)
+    b = P.transient_estimate(released, 1, 16384, 16384)
     # from 8192 on, the layer-20 indexer's [S, 32 heads, S] f32 products dominate
     assert a["prefill layer"] == 8192 * 32 * 8192 * 4 + 8192 * 8192 * 2
     assert b["prefill layer"] == 4 * a["prefill layer"]
-    plan = P.memory_plan(released, "data=2,expert=4", T64K, batch=4, prefill_tokens=8192)
-    assert plan.transient["prefill layer"] == 2 * a["prefill layer"]  # 2 rows per device
+    # chunks of 4096 over a 64k context: the last chunk's indexer scores all 65536 rows
+    chunk = P.transient_estimate(released, 1, 4096, T64K)
+    assert chunk["prefill layer"] == 4096 * 32 * T64K * 4 + 4096 * T64K * 2
+    plan = P.memory_plan(released, "data=2,expert=4", T64K, batch=4, prefill_tokens=4096)
+    assert plan.transient["prefill layer"] == 2 * chunk["prefill layer"]  # 2 rows per device
 
 
 def test_verdicts_for_a_few_meshes(no_engram, released):
     eight = P.memory_plan(no_engram, "expert=8", T64K, prefill_tokens=2048)
-    # 36.1 GB of experts + 12.2 GB replicated + cache + transient: one H200 or v5p, not a v6e
-    assert 48e9 < eight.resident_per_device < 49e9 and eight.transient_per_device < 3e9
+    # 36.1 GB of experts + 12.2 GB replicated + cache, + 17.6 GB transient (2048-token chunks whose
+    # indexer scores 64k rows): one H200 or v5p, not a v6e
+    assert 48e9 < eight.resident_per_device < 49e9 and 17e9 < eight.transient_per_device < 18e9
     assert [eight.fits(c) for c in P.CHIPS] == [True, True, False]
     # a 64k prompt in one prefill call: the resident part fits, the indexer's transient does not
     whole = P.memory_plan(no_engram, "expert=8", T64K)

@@ -124,7 +124,8 @@ def test_golden_cache_layouts_split_every_cache_array_by_rows_over_data_only():
 def test_cache_shardings_refuse_a_batch_the_data_axis_does_not_divide(tiny_a):
     mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
     fake = {"data": 2, "expert": 1, "tensor": 1}
-    with pytest.raises(shd.ShardingError, match=r"cache engram_history: dim 0 \('batch', size 3\) is not divisible by mesh axes \('data',\)"):
+    with pytest.raises(shd.ShardingError,
+                       match=r"cache engram_history: dim 0 \('batch', size 3\) is not divisible by mesh axes \('data',\)"):
         shd.cache_partition_specs(tiny_a, 3, 64, fake, strict=True)
     assert shd.cache_partition_specs(tiny_a, 3, 64, fake)["seq_len"] == jax.sharding.PartitionSpec(None)
     sh = shd.cache_shardings(tiny_a, 3, 64, mesh)  # data=1 divides any batch
