@@ -10,9 +10,9 @@ Why attention stays float64: an f32-accurate attention rounds 0.04-0.2% of its b
 other neighbour of the float64 value, and on the golden sets the next fp8 quantisation and the
 routing amplify such flips past the bounds. Measured on CPU: the f32 kernel (interpret mode) fails
 tiny-a at blocks 0-2, 4 and 8 (block_out max |err| 3.7 at L01 through a changed expert), the XLA
-f32 reference fails tiny-c at block 1 (0.19); a float64 version of the kernel passed both sets
-in interpret mode but computed wrong values on the H200 (Triton f64 dot) and ran 2.3x slower than
-the XLA float64 reference, so it was dropped. The negative twin below pins the first finding.
+f32 reference fails tiny-c at block 1 (0.19). No float64 Triton kernel is offered: on the H200
+the Triton f64 dot gave wrong values, and ran 2.3x slower than the XLA float64 reference
+(benchmarks/README.md). The negative twin below pins the first finding.
 
 On CPU the kernels run in Pallas interpret mode (`kernels_interpret=True`) over the first
 `CPU_LAYERS` blocks of the first golden set; the `gpu`-marked test runs every block of every set

@@ -349,9 +349,9 @@ class TestAttnGpuInterpretSplitsAndColumnBlocks(AttnBase):
 
 
 class TestAttnGpuInterpretHeadBlocks(AttnBase):
-    # 64 heads in 4 programs of 16 (6 heads: padded to one block of 16), with index splits
+    # 64 heads in 4 programs of 16 (6 heads: padded to one block of 16), 64-slot steps, index splits
     implementation, target, interpret, accumulate = "pallas", "gpu", True, "f32"
-    block_sizes = attn_api.BlockSizes(block_h=16, num_splits=2)
+    block_sizes = attn_api.BlockSizes(block_h=16, block_k=64, num_splits=2)
     ATTN_CASES = ("released_decode", "odd_tokens_and_heads")
     extras = False
 

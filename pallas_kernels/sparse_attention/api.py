@@ -49,7 +49,8 @@ class BlockSizes:
     num_splits: index splits per query row (GPU; > 1 writes f32 partials and combines them).
     num_warps, num_stages: Triton launch parameters (GPU).
     Defaults (GPU, measured on the H200, benchmarks/README.md): all columns per program and
-    16 heads with 4 warps up to 1024 query rows (decode), 32 heads with 8 warps above (prefill).
+    16 heads with 4 warps up to 1024 query rows (decode), 32 heads with 8 warps above (prefill);
+    block_k 64 from 64 rows up, 32 below.
     split_probs (the f32 mode only): p.V with p as two bf16 terms (f32-accurate: on the H200 0.2%
       of outputs round differently from the float64 oracle) rather than one bf16 rounding of p
       (34-36% differ by an ulp, 1.8x faster in decode at B=64 and 4.4x in prefill).
@@ -68,9 +69,10 @@ class BlockSizes:
         if target == "gpu" and self.split_probs:
             # head blocks shrink the [heads, d] f32 accumulator instead of splitting the columns
             # (which recomputes the logits): 16 heads x 512 at 4 warps for decode, 32 heads at 8
-            # warps once there are enough rows (measured on H200, benchmarks/README.md)
+            # warps once there are enough rows; 64-slot steps from 64 rows up, 32 below (short
+            # index splits for few rows). Each choice measured on the H200, benchmarks/README.md
             decode = rows <= 1024
-            block_k = self.block_k or 32
+            block_k = self.block_k or (64 if rows >= 64 else 32)
             block_d = min(self.block_d or d, d)
             block_h = min(self.block_h or (16 if decode else 32), hp)
             num_warps = num_warps or (4 if decode else 8)
