@@ -220,7 +220,10 @@ class Generator:
                 chunk[r, : n[r]] = ids[r, start[r] : start[r] + n[r]]
             new, cache = self._prefill_chunk(self.state, self._put("ids", chunk), self._put("lengths", start),
                                              self._put("lengths", n), cache)
-            logits = new if logits is None else jnp.where(jnp.asarray(n > 0)[:, None], new, logits)
+            if logits is None:
+                logits = new
+            else:  # the row mask as a global array too, so this also runs across hosts
+                logits = jnp.where(self._put("lengths", n)[:, None] > 0, new, logits)
         return logits, cache
 
     def _decode_impl(self, state, tokens, pos, cache, key_data, impl, params: SamplingParams):
