@@ -51,9 +51,10 @@ class BlockSizes:
     Defaults (GPU, measured on the H200, benchmarks/README.md): all columns per program and
     16 heads with 4 warps up to 1024 query rows (decode), 32 heads with 8 warps above (prefill);
     block_k 64 from 64 rows up, 32 below.
-    split_probs (the f32 mode only): p.V with p as two bf16 terms (f32-accurate: on the H200 0.2%
-      of outputs round differently from the float64 oracle) rather than one bf16 rounding of p
-      (34-36% differ by an ulp, 1.8x faster in decode at B=64 and 4.4x in prefill).
+    split_probs: p.V with p as two bf16 terms (f32-accurate: on the H200 0.2% of outputs round
+      differently from the float64 oracle) rather than one bf16 rounding of p (34-36% differ by
+      an ulp; with its own tiles, all heads per program, 68.8 us at decode B=64 against 53.9 for
+      the default mode, benchmarks/README.md).
     """
     block_k: int | None = None
     block_d: int | None = None
@@ -156,8 +157,9 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
 
     accumulate: "f64" (the oracle's rounding: always the reference, logged when a kernel was
     asked for) or "f32" (the kernels' f32 online softmax on the tensor cores, see kernel_gpu for
-    the error budget; the reference in f32 where no kernel runs). target: which kernel ("gpu" Triton, "tpu" Mosaic), default from the
-    backend (GPU on CPU, for interpret runs).
+    the error budget; the reference in f32 where no kernel runs).
+    target: which kernel ("gpu" Triton, "tpu" Mosaic), default from the backend (GPU on CPU, for
+    interpret runs).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
     """
     _validate(q, kv, attn_sink, idx, scale)
