@@ -430,7 +430,9 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 try:
                     graphdef, state = random_model(args)
                     cache = seeded_cache(args, batch, context)
-                    ids = jnp.zeros((batch,), jnp.int32) + 7
+                    # distinct random tokens: rows that all decode one token route alike, and
+                    # then far fewer experts are read than `unique_experts` counts
+                    ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
                     pos = cache["seq_len"]
                     f = _decode_fn(graphdef)
                     t0 = time.perf_counter()
