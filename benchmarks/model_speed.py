@@ -223,10 +223,14 @@ def seeded_cache(args: ModelArgs, batch: int, context: int):
 # ------------------------------------------------------------------------------------ timing
 
 
-def timeit(fn, *, warmup: int = 2, iters: int = 10, repeats: int = 3) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls (one sync each)."""
+def timeit(fn, *, warmup: int = 2, iters: int = 10, repeats: int = 3, budget_s: float = 0.3) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls (one sync each);
+    slow calls get fewer iterations so that each repeat stays near `budget_s`."""
     for _ in range(warmup):
+        t0 = time.perf_counter()
         jax.block_until_ready(fn())
+        first = time.perf_counter() - t0
+    iters = max(1, min(iters, int(budget_s / max(first, 1e-9))))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
