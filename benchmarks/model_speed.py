@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -104,7 +103,8 @@ def param_bytes(args: ModelArgs) -> dict:
         routed = keys[2:4] == ["ffn", "experts"]
         d["experts" if routed else "dense"] += b
         shared_expert = keys[2:4] == ["ffn", "shared_experts"]
-        if not routed and not shared_expert and len(leaf.shape) >= 2 and (keys[-1] == "weight" or keys[-1].endswith("_fn")):
+        matrix = len(leaf.shape) >= 2 and (keys[-1] == "weight" or keys[-1].endswith("_fn"))
+        if not routed and not shared_expert and matrix:
             n = int(np.prod(leaf.shape))
             d["dense_elems"] += 2 * n if leaf.dtype == jnp.int8 else n
     for i, d in enumerate(per_layer):
@@ -119,7 +119,8 @@ def unique_experts(n_experts: int, k: int, tokens: int) -> float:
     return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
 
 
-def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int, tokens_per_row: int = 1) -> tuple[float, float]:
+def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
+                tokens_per_row: int = 1) -> tuple[float, float]:
     """(bytes, flops) of one layer for one decode step of `batch` rows at `context`
     (tokens_per_row=1), or a prefill of `tokens_per_row` tokens of one row (batch=1).
 
@@ -306,7 +307,8 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
 
     outs = {}
     moes = {}
-    for path_name, kernels in (("reference", "reference"), ("fast", "pallas" if jax.default_backend() == "gpu" else "reference")):
+    fast = "pallas" if jax.default_backend() == "gpu" else "reference"
+    for path_name, kernels in (("reference", "reference"), ("fast", fast)):
         a = args.replace(kernels=kernels, kernels_interpret=False)
         abstract = nnx.eval_shape(lambda: MoE(0, a))
         gd, st = nnx.split(abstract)
@@ -400,7 +402,8 @@ def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique
         impl = "reference" if variant is None else "pallas"
         bs = None if variant is None else em.BlockSizes(*variant)
         label = "xla" if variant is None else "kernel bn={} bk={} w={} s={}{}".format(
-            variant[0] or "auto", variant[1] or "auto", variant[2], variant[3], " select-decode" if variant[4] is False else "")
+            variant[0] or "auto", variant[1] or "auto", variant[2], variant[3],
+            " select-decode" if variant[4] is False else "")
         try:
             f = make(impl, bs)
             t = timeit(lambda: f(*operands))
@@ -567,7 +570,8 @@ def prefill_section(rep, ceil, tiny, lengths, paths):
 def _speedup(rep: Report, kind: str, batch: int, context: int):
     got = {r["name"].split()[-1]: r for r in rep.rows
            if r["name"] in (f"{kind} fast", f"{kind} reference") and r["batch"] == batch and r["context"] == context}
-    if len(got) == 2 and got["fast"].get("seconds") and got["reference"].get("seconds") and "speedup" not in got["fast"]:
+    timed = len(got) == 2 and got["fast"].get("seconds") and got["reference"].get("seconds")
+    if timed and "speedup" not in got["fast"]:
         got["fast"]["speedup"] = round(got["reference"]["seconds"] / got["fast"]["seconds"], 2)
         rep.add(name=f"{kind} speed-up", batch=batch, context=context, seconds=None, bytes=0, flops=0,
                 fraction_of_ceiling=None, speedup=got["fast"]["speedup"])
@@ -626,7 +630,8 @@ def main(argv=None) -> int:
     ceil = ceilings(rep, tiny) if "ceilings" in sections else {"hbm": 4.3e12, "bf16": 7.9e14, "fp8": None}
     rep.meta["ceilings"] = ceil
     if "experts" in sections:
-        experts_section(rep, ceil, bench_args(tiny, 1, contexts[0], "auto"), _ints(ns.expert_batches if not tiny else "1,8,64"))
+        experts_section(rep, ceil, bench_args(tiny, 1, contexts[0], "auto"),
+                        _ints(ns.expert_batches if not tiny else "1,8,64"))
     ref_b = set(_ints(ns.reference_batches)) if ns.reference_batches else set(batches)
     ref_ctx = set(_ints(ns.reference_contexts)) if ns.reference_contexts else set(contexts)
     ref_pre = set(_ints(ns.reference_prefill)) if ns.reference_prefill else set(lengths)

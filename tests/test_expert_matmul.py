@@ -166,7 +166,8 @@ def test_subnormal_decode_is_wrong_where_subnormals_flush():
     from pallas_kernels.expert_matmul import kernel_gpu
 
     words = jnp.asarray([0x76543210, 0xFEDCBA98 - 2**32], jnp.int32)  # codes 0..7 and 8..15
-    sub = np.concatenate([np.asarray(jax.jit(kernel_gpu._e2m1_subnormal_f32, static_argnums=1)(words, j)) for j in range(8)])
+    sub_f = jax.jit(kernel_gpu._e2m1_subnormal_f32, static_argnums=1)
+    sub = np.concatenate([np.asarray(sub_f(words, j)) for j in range(8)])
     sel = np.concatenate([np.asarray(jax.jit(kernel_gpu._e2m1_f32)((words >> (4 * j)) & 0xF)) for j in range(8)])
     assert np.any(sub != sel) and np.all(sel[np.abs(sub - sel) > 0] == 0.5 * np.sign(sel[np.abs(sub - sel) > 0]))
     assert api.BlockSizes().resolved(16, 64, 256, interpret=True).subnormal_decode is False
@@ -239,7 +240,8 @@ def _moe(kernels: str, seed: int = 3):
     rng = np.random.default_rng(seed)
     for lin in (m.experts.w1, m.experts.w2, m.experts.w3):
         lin.weight[...] = jnp.asarray(rng.integers(-128, 128, lin.weight.shape, dtype=np.int8))
-        lin.scale[...] = jnp.asarray(rng.integers(118, 126, lin.scale.shape, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu))
+        scale = rng.integers(118, 126, lin.scale.shape, dtype=np.uint8)
+        lin.scale[...] = jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu))
     for lin in (m.shared_experts.w1, m.shared_experts.w2, m.shared_experts.w3):
         lin.weight[...] = jnp.asarray(rng.standard_normal(lin.weight.shape), jnp.float8_e4m3fn)
         lin.scale[...] = jnp.asarray(np.full(lin.scale.shape, 120, np.uint8).view(ml_dtypes.float8_e8m0fnu))
