@@ -4,9 +4,12 @@ multi-host detection."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -96,9 +99,6 @@ def test_bad_prompts_are_rejected_with_the_reason():
 def single_device_cli(tmp_path_factory) -> tuple[int, str, Path]:
     """(exit code, stdout, --logits-out file) of the CLI on the hub-format tiny-a, one device."""
     out = tmp_path_factory.mktemp("cli") / "r.npz"
-    import contextlib
-    import io
-
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = G.main(["--ckpt", str(TINY), *CLI_ARGS, "--logits-out", str(out)])
@@ -145,8 +145,6 @@ print("REPORT " + json.dumps(report))
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         return sock.getsockname()[1]
