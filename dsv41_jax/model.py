@@ -9,8 +9,12 @@ stack; which layer reads or writes what is decided by static per-layer facts of 
 the whole forward traces once under `jax.jit`.
 
 Generation: `Transformer.prefill(ids, lengths, cache)` runs right-padded prompts and seeds the
-caches of `dsv41_jax.cache`; `Transformer.decode_step(ids, pos, cache)` adds one token per row,
-each row at its own position. Both are pure functions of (model, arrays), one trace per shape.
+caches of `dsv41_jax.cache`; `Transformer.prefill_chunk(ids, start, lengths, cache)` adds a chunk
+of tokens per row onto a cache (chunked prefill, equal to one prefill of all the tokens);
+`Transformer.decode_step(ids, pos, cache)` adds one token per row, each row at its own position.
+All are pure functions of (model, arrays), one trace per shape. Prefill runs the layers above the
+last kv source only on the dependency cone of what decode needs (SPEC §19.1, `replay_width`);
+`replay=False` runs them everywhere, with the same results.
 """
 
 from __future__ import annotations
