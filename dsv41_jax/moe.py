@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.numerics import cast, exact_div
-from dsv41_jax import quant
+from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear
 from pallas_kernels._dispatch import resolve as _resolve_kernel
@@ -259,9 +259,20 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
         """x [b, s, dim] bf16, image_mask [b, s] bool or None.
 
-        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]})."""
+        Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]}).
+
+        Traced under an active mesh (`jax.set_mesh`) whose `expert` axis is > 1, the MoE runs
+        expert-parallel (`dsv41_jax.expert_parallel.moe_forward`), with the same values; there
+        `path` picks the communication pattern: "gather" -> "replicated", "grouped" ->
+        "all_to_all", "auto" by token count."""
         if path not in ("auto", "gather", "grouped"):
             raise ValueError(f"MoE path must be 'auto', 'gather' or 'grouped', got {path!r}")
+        ep_mesh = expert_parallel.active_expert_mesh()
+        if ep_mesh is not None:
+            y, weights, indices = expert_parallel.moe_forward(
+                self, x.reshape(-1, self.dim), None if image_mask is None else image_mask.reshape(-1), mesh=ep_mesh,
+                pattern={"auto": "auto", "gather": "replicated", "grouped": "all_to_all"}[path])
+            return y.reshape(x.shape), {"route_idx": indices, "route_w": weights}
         shape = x.shape
         x = x.reshape(-1, self.dim)
         n, k = x.shape[0], self.topk
