@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 
@@ -45,7 +44,7 @@ def _model_mesh(path: Path) -> str:
     return f"expert={expert},tensor={8 // expert}"
 
 _CHILD = r"""
-import contextlib, json, sys
+import contextlib, json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -113,7 +112,8 @@ single = {}
 for name, (m, shape, path, factor) in cases.items():
     x, mask = rng_x(len(name), (*shape, 64)), mask_of(shape)
     single[name] = run_moe(m, x, mask, "auto", None)
-out = {"moe": {}, "model": {}}
+out = {"moe": {}, "model": {}, "seconds": {}}
+t0 = time.process_time()
 for spec in meshes:
     mesh = shd.make_mesh(spec, args=MOE_ARGS)
     for name, (m, shape, path, factor) in cases.items():
@@ -131,6 +131,9 @@ for spec in meshes:
         if out["moe"][f"{spec} {name}"]["pattern"] == "all_to_all":
             out["moe"][f"{spec} {name}"]["rounds"] = rounds(want[1], n_tok, mesh, 8 // dict(mesh.shape)["expert"], 3,
                                                             factor or 2.0)
+
+
+out["seconds"]["moe"] = time.process_time() - t0
 
 
 def place(state, args, mesh):
@@ -167,6 +170,7 @@ def generate(graphdef, state, args, ids, tt, mesh):
 
 
 for path, model_mesh in golden:
+    t0 = time.process_time()
     gs = GoldenSet(path)
     name = gs.name
     graphdef, state = nnx.split(load_model(gs))
@@ -182,6 +186,7 @@ for path, model_mesh in golden:
         "patterns": sorted(set(patterns)),
         "moe_calls": len(patterns),
     }
+    out["seconds"][name] = time.process_time() - t0
 print("RESULTS " + json.dumps(out))
 """
 
