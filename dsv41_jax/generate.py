@@ -325,8 +325,10 @@ def checkpoint_args(ckpt: str | os.PathLike, **overrides) -> ModelArgs:
     d = Path(ckpt)
     if not d.is_dir():
         raise FileNotFoundError(f"--ckpt {d}: not a directory")
-    if _is_converted(d):
-        return ModelArgs.from_json(d / "config.json", **overrides)
+    if _is_converted(d):  # with the stored Engram table layout (manifest's engram_rows_multiple)
+        from dsv41_jax.checkpoint_io import converted_args
+
+        return converted_args(d, **overrides)
     cfg = d / "config.json" if (d / "config.json").exists() else d / "inference" / "config.json"
     if not cfg.exists():
         raise FileNotFoundError(f"--ckpt {d}: no config.json or inference/config.json")

@@ -188,6 +188,11 @@ def memory_plan(args: ModelArgs, mesh: str | Mapping[str, int], max_seq_len: int
     prefill_tokens = max_seq_len if prefill_tokens is None else prefill_tokens
     if not 1 <= prefill_tokens <= max_seq_len:
         raise ValueError(f"prefill_tokens ({prefill_tokens}) must be in [1, max_seq_len={max_seq_len}]")
+    if args.engram_layer_ids and args.engram_rows_multiple == 1:
+        # a hub config: lay the Engram tables out as dsv41-convert stores them for this mesh, rows
+        # padded to the number of pieces the engram_rows rule makes (else a table whose row count
+        # that number does not divide would be counted whole on every device)
+        args = args.replace(engram_rows_multiple=math.prod(sizes.get(a, 1) for a in rules.mesh_axes("engram_rows")))
     layout, params = _state_layout(args)
     total = dict.fromkeys(WEIGHT_PARTS, 0)
     device = dict.fromkeys(WEIGHT_PARTS, 0)
@@ -199,7 +204,11 @@ def memory_plan(args: ModelArgs, mesh: str | Mapping[str, int], max_seq_len: int
         device[part] += _per_device(nbytes, shd.logical_to_spec(axes, a.shape, sizes, rules, name=path), sizes)
         if path in params and not path.endswith(".scale"):
             # block scales are not parameters (SPEC §15 counts); a packed fp4 int8 holds two values
-            n_params += int(np.prod(a.shape, dtype=np.int64)) * (2 if a.dtype == np.int8 else 1)
+            n = int(np.prod(a.shape, dtype=np.int64)) * (2 if a.dtype == np.int8 else 1)
+            if path.endswith(".engram.embed.weight"):  # padding rows are not parameters
+                layer = int(path.split(".")[1])
+                n = n // a.shape[0] * args.engram_num_embeddings[args.engram_table_index(layer)]
+            n_params += n
 
     padded = -(-batch // sizes["data"]) * sizes["data"]
     from dsv41_jax.cache import init_cache

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 
+import numpy as np
 import pytest
 
 from conftest import DATA, GOLDEN_ROOT
@@ -107,6 +108,17 @@ def test_prefill_transient_grows_with_the_square_of_the_prompt_at_the_indexer(re
     assert plan.transient["prefill layer"] == 2 * chunk["prefill layer"]  # 2 rows per device
 
 
+def test_engram_tables_are_planned_split_as_the_converter_pads_them(released):
+    plan = P.memory_plan(released, "expert=8", T64K)
+    # rows padded to a multiple of 8 (layer 14: 384,016,682 -> 384,016,688), then split evenly
+    padded = released.replace(engram_rows_multiple=8)
+    tables = {p: a for p, a in shd.state_shapes(padded).items() if ".engram.embed." in p}
+    total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in tables.values())
+    assert plan.weights_total["Engram tables"] == total
+    assert plan.weights_device["Engram tables"] * 8 == total
+    assert plan.weights_device["Engram tables"] == 25_344_754_248  # what dsv41-convert's layout gives
+
+
 def test_verdicts_for_a_few_meshes(no_engram, released):
     eight = P.memory_plan(no_engram, "expert=8", T64K, prefill_tokens=2048)
     # 36.1 GB of experts + 12.2 GB replicated + cache, + 17.6 GB transient (2048-token chunks whose
@@ -149,7 +161,8 @@ def test_plan_of_a_tiny_config_matches_its_cache_and_state_bytes():
     args = ModelArgs.from_json(GOLDEN_ROOT / "tiny-a" / "config.json")
     plan = P.memory_plan(args, "expert=4,data=2", 64, batch=4)
     assert plan.cache_total == cache_bytes(args, 4, 64) and plan.cache_device == plan.cache_total // 2
-    shapes = shd.state_shapes(args)
+    # the Engram tables as dsv41-convert stores them on this mesh: rows padded to the 8 pieces
+    shapes = shd.state_shapes(args.replace(engram_rows_multiple=8))
     total = sum(int(a.size) * a.dtype.itemsize for a in shapes.values())
     assert sum(plan.weights_total.values()) == total
     assert dataclasses.asdict(plan)["mesh"] == {"data": 2, "expert": 4, "tensor": 1}
