@@ -631,7 +631,8 @@ class Attention(nnx.Module):
             offset = keys.shape[1]
             keys = jnp.concatenate([keys, rows.astype(kv.dtype)], axis=1)
             idx = jnp.concatenate([idx, jnp.where(topk >= 0, topk + offset, -1)], axis=-1)
-        o = sparse_attn(q, keys, self.attn_sink[...], idx, self.softmax_scale)
+        o = sparse_attn(q, keys, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
+                        interpret=self.kernels_interpret)
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_chunk(self, x, qr, cos, sin, pos, start, lengths, shared: dict, cache: dict, aux: dict):
