@@ -90,8 +90,12 @@ def main(argv=None) -> int:
     result["speedup"] = result["full"]["seconds"] / result["replay"]["seconds"]
     result["token_layer_ratio"] = token_layers[False] / token_layers[True]
     result["logits_identical"] = bool(np.array_equal(logits[True], logits[False]))
+    result["max_abs_logit_diff"] = float(np.abs(logits[True] - logits[False]).max())
+    result["logit_rms"] = float(np.sqrt(np.mean(logits[False].astype(np.float64) ** 2)))
+    result["argmax_equal"] = bool(np.array_equal(logits[True].argmax(-1), logits[False].argmax(-1)))
     print(f"speed-up {result['speedup']:.2f}x (token-layers {result['token_layer_ratio']:.2f}x fewer); "
-          f"logits identical: {result['logits_identical']}")
+          f"logits identical: {result['logits_identical']} (max |diff| {result['max_abs_logit_diff']:.3g}, "
+          f"RMS {result['logit_rms']:.3g}, argmax equal: {result['argmax_equal']})")
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))
     return 0 if result["logits_identical"] else 1

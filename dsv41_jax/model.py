@@ -186,7 +186,10 @@ class Transformer(nnx.Module):
         replay (default True; exact, SPEC §19.1): the layers above the last kv source own only
         window KV, so they run only on each row's last min(L, `replay_width`) positions, the
         dependency cone of the last position's logits and of the window rings decode reads.
-        False runs every layer on all S positions. Both give the same logits and caches.
+        False runs every layer on all S positions. Both compute the same operations per position:
+        bit-identical logits and caches on the golden configs (tests/test_replay.py); a reduced-width
+        40-layer run at S = 4096 on CPU differed by 8.4e-5 in the logits (1.3% of RMS), an unexplained
+        rounding difference (benchmarks/README.md).
         Returns (logits f32 [b, V] at each row's last real position, cache with seq_len =
         lengths), plus the golden-keyed intermediates with collect (with replay, the arrays of
         the replayed layers cover their suffix only: [b, width, ...]).
