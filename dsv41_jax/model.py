@@ -188,8 +188,9 @@ class Transformer(nnx.Module):
         dependency cone of the last position's logits and of the window rings decode reads.
         False runs every layer on all S positions. Both compute the same operations per position:
         bit-identical logits and caches on the golden configs (tests/test_replay.py); a reduced-width
-        40-layer run at S = 4096 on CPU differed by 8.4e-5 in the logits (1.3% of RMS), an unexplained
-        rounding difference (benchmarks/README.md).
+        40-layer run at S = 4096 on CPU differed by 8.4e-5 in the logits (1.3% of RMS): the
+        hyper-connection mixes round by 1 ulp differently depending on the row count there
+        (benchmarks/README.md).
         Returns (logits f32 [b, V] at each row's last real position, cache with seq_len =
         lengths), plus the golden-keyed intermediates with collect (with replay, the arrays of
         the replayed layers cover their suffix only: [b, width, ...]).
