@@ -87,6 +87,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dsv41_jax.sharding import MESH_AXES
+from pallas_kernels.expert_matmul import api as expert_matmul
 
 __all__ = ["EPPattern", "active_expert_mesh", "capacity", "choose_pattern", "moe_forward", "token_axes"]
 
@@ -264,22 +265,12 @@ def _local_rows(experts, rows: jax.Array, w: jax.Array, e: jax.Array, n_local: i
     """
     c_rows, dim = rows.shape
     c = min(tile_rows, c_rows)
-    order = jnp.argsort(e, stable=True)  # pairs grouped by expert, foreign rows last
+    # pairs grouped by expert, foreign rows (id n_local) sorted last and left out of every tile
+    # (their scatter into the per-expert counts is out of bounds, which JAX drops)
+    order, ex, row0, valid = expert_matmul.grouped_tiles(e, n_local, c)
+    live = valid > 0
     x_sorted = jnp.concatenate([jnp.take(rows, order, axis=0), jnp.zeros((c, dim), rows.dtype)])
     w_sorted = jnp.concatenate([jnp.take(w, order), jnp.zeros((c,), _F32)])
-    counts = jnp.zeros((n_local + 1,), jnp.int32).at[e].add(1)[:n_local]
-    starts = jnp.cumsum(counts) - counts
-    n_tiles = (counts + c - 1) // c
-    tile_end = jnp.cumsum(n_tiles)
-    # at most C live rows, each expert wasting less than one tile
-    max_tiles = min(c_rows, (c_rows + n_local * (c - 1)) // c)
-    t = jnp.arange(max_tiles, dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
-    live = tile_expert < n_local
-    ex = jnp.minimum(tile_expert, n_local - 1)
-    j = t - (tile_end[ex] - n_tiles[ex])
-    row0 = jnp.where(live, starts[ex] + j * c, c_rows)
-    valid = jnp.where(live, jnp.clip(counts[ex] - j * c, 0, c), 0)
 
     def run(out, e_t, row0_t, valid_t):
         w1, w3, w2 = experts.dense(e_t)

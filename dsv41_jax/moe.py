@@ -309,24 +309,10 @@ class MoE(nnx.Module):
         if self.experts.use_kernel():
             return self._routed_grouped_kernel(xq, weights, indices)
         c = min(self.tile_rows, r)
-        flat = indices.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within
+        # pairs grouped by expert (tokens ascending within), cut into tiles of one expert each
+        order, e, row0, valid = expert_matmul.grouped_tiles(indices.reshape(-1), n_exp, c)
         x_sorted = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, self.dim), xq.dtype)])
         w_sorted = jnp.concatenate([jnp.take(weights.reshape(-1), order), jnp.zeros((c,), _F32)])
-
-        counts = jnp.zeros((n_exp,), jnp.int32).at[flat].add(1)
-        starts = jnp.cumsum(counts) - counts  # first sorted row of each expert
-        n_tiles = (counts + c - 1) // c
-        tile_end = jnp.cumsum(n_tiles)  # tiles [tile_end[e] - n_tiles[e], tile_end[e]) are expert e's
-        # each expert wastes less than one tile, and every tile holds at least one row
-        max_tiles = min(r, (r + n_exp * (c - 1)) // c)
-        t = jnp.arange(max_tiles, dtype=jnp.int32)
-        tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
-        live = tile_expert < n_exp
-        e = jnp.minimum(tile_expert, n_exp - 1)
-        j = t - (tile_end[e] - n_tiles[e])  # tile number within its expert
-        row0 = jnp.where(live, starts[e] + j * c, r)  # dead tiles point at the zero padding
-        valid = jnp.where(live, jnp.clip(counts[e] - j * c, 0, c), 0)
 
         def step(out, tile):
             e_t, row0_t, valid_t = tile
