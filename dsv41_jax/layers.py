@@ -17,7 +17,7 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ceil_div
-from dsv41_jax.numerics import cast
+from dsv41_jax.numerics import cast, reciprocal_sqrt
 
 WeightDtype = Literal["fp8", "fp4", "bf16", "fp32"]
 
@@ -90,8 +90,7 @@ class RMSNorm(nnx.Module):
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    # 1/sqrt rather than lax.rsqrt: it rounds like the reference's torch.rsqrt on CPU
-    return cast(w.astype(jnp.float32) * (xf * (1.0 / jnp.sqrt(var + jnp.float32(eps)))), x.dtype)
+    return cast(w.astype(jnp.float32) * (xf * reciprocal_sqrt(var + jnp.float32(eps))), x.dtype)
 
 
 class Embedding(nnx.Module):

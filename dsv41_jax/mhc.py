@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics import cast
+from dsv41_jax.numerics import cast, reciprocal_sqrt
 from pallas_kernels._dispatch import resolve
 from pallas_kernels.sinkhorn import api as sinkhorn_api
 from pallas_kernels.sinkhorn.api import project_rounded_once
@@ -30,7 +30,7 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     """
     b, s, hc, d = x.shape
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
-    rsqrt = 1.0 / jnp.sqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
+    rsqrt = reciprocal_sqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
     proj = project_rounded_once(u, fn.astype(jnp.float32))
     if not resolve(implementation, None, interpret)[0]:
         return hc_split_sinkhorn(proj * rsqrt, scale, base, hc=hc, iters=iters, eps=hc_eps)

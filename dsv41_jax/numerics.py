@@ -4,6 +4,14 @@ Under jit, XLA may drop a convert pair f32 -> bf16 -> f32 (excess precision) or 
 the element-wise ops after it and ignore the narrowing in between; it may also turn `a / b` into
 `a * (1/b)`. The reference rounds to bf16 at specific points and divides exactly, and parity
 depends on both, so every such point goes through these helpers.
+
+XLA:GPU lowers an f32 division to PTX `div.full.f32` (up to 2 ulp off, not correctly rounded):
+an e2m1 / e4m3 tie such as x / s = 1.25 can come out as 1.2500001 and round up, which moves a
+compressed-KV value by a whole fp4 step (measured on an H200: 2 of 4096 values of a tiny layer,
+enough to change 12-24% of the block's outputs). `exact_div` therefore divides in float64 and
+rounds once to f32, which is the correctly rounded f32 quotient (f64 carries more than the
+2 x 24 + 2 bits that rule out a double rounding); TPUs have no float64, so there it is the
+backend's f32 division.
 """
 
 from __future__ import annotations
@@ -29,7 +37,21 @@ def to_bf16(x: jax.Array) -> jax.Array:
 
 
 def exact_div(a: jax.Array, b) -> jax.Array:
-    """a / b with IEEE division: the barrier on the full-shape divisor keeps XLA from rewriting
-    it as a * (1 / b) (which it does for a broadcast divisor)."""
-    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(a.shape, jnp.shape(b)))
+    """a / b, f32, correctly rounded (IEEE) on CPU and GPU; shapes broadcast.
+
+    Divides in float64 where the backend has it (see the module docstring); the barrier on the
+    full-shape divisor keeps XLA from rewriting the division as a * (1 / b) (which it does for a
+    broadcast divisor, and which would move exact ties)."""
+    a = jnp.asarray(a, jnp.float32) if not hasattr(a, "dtype") else a
+    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
+    if a.dtype == jnp.float32 and jax.default_backend() != "tpu":
+        with jax.enable_x64(True):
+            a64 = jnp.broadcast_to(a, b.shape).astype(jnp.float64)
+            return (a64 / jax.lax.optimization_barrier(b.astype(jnp.float64))).astype(jnp.float32)
     return a / jax.lax.optimization_barrier(b)
+
+
+def reciprocal_sqrt(x: jax.Array) -> jax.Array:
+    """1 / sqrt(x) in f32 as the reference's torch.rsqrt rounds on CPU: the IEEE square root, then
+    a correctly rounded division (never XLA's approximate rsqrt)."""
+    return exact_div(jnp.ones_like(x), jnp.sqrt(x))

@@ -15,6 +15,7 @@ table (array, max abs err, worst err / RMS, ok) and exits 1 if any array fails i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -79,9 +80,10 @@ class GoldenSet:
         return None if tt is None else np.asarray(tt, np.int32)
 
 
-def load_model(gs: GoldenSet) -> Transformer:
-    """The text model with the set's weights and Engram token map (strict: every text tensor used)."""
-    model = Transformer(gs.args)
+def load_model(gs: GoldenSet, kernels: str = "auto") -> Transformer:
+    """The text model with the set's weights and Engram token map (strict: every text tensor used);
+    `kernels` is `ModelArgs.kernels` ("auto", "reference" or "pallas")."""
+    model = Transformer(dataclasses.replace(gs.args, kernels=kernels))
     load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
     if model.token_map is not None:
         model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
@@ -403,17 +405,18 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
     return out
 
 
-def run_parity(gs: GoldenSet) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True
+               ) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
-    has decode steps, both decode runs over caches seeded by the prefill.
+    has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
-    model = load_model(gs)
+    model = load_model(gs, kernels)
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
-    if "decode.start_pos" in gs:
+    if decode and "decode.start_pos" in gs:
         cache = teacher_forced_cache(model, gs)
         for prefix in DECODE_MODES:
             decoded, found = teacher_forced_decode(model, gs, prefix, cache)
@@ -443,13 +446,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv41_jax.parity", description=__doc__.split("\n\n")[0])
     p.add_argument("golden_dir", help="golden set directory (checkpoint + config.json + inputs.json + expected.npz)")
     p.add_argument("--out", help="write the port's arrays here (.npz, golden key names and encodings)")
+    p.add_argument("--kernels", choices=("auto", "reference", "pallas"), default="auto",
+                   help="ModelArgs.kernels: the Pallas kernels on GPU/TPU (auto), the jnp references, or the kernels")
+    p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
         gs = GoldenSet(ns.golden_dir)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    port, problems, expected = run_parity(gs)
+    port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only)
     if ns.out:
         np.savez(ns.out, **encode(port, gs))
     return report(port, problems, expected, gs)

@@ -22,8 +22,9 @@ Parts:
           attention  q and o [b, S, H, hd] bf16, the gathered KV rows [b, S, K, hd] bf16 and the
                      attention logits [b, S, H, K] f32, with K = window + index_topk (capped at
                      the compressed rows S // r) on compressed layers, K = window otherwise
-          indexer    the per-head products [b, S, ih, S // r] f32 and the scores [b, S, S // r]
-                     bf16 (index-source layers; `attention.index_scores` forms them whole)
+          indexer    the per-head products [b, S, ih, C] f32 and the scores [b, S, S // r] bf16
+                     (index-source layers; `attention.index_scores` forms the products C keys
+                     at a time, at most 1 GiB of them: `attention.index_score_block`)
           MoE        the routed w1 / w3 outputs 2 x [b, S, topk, inter] f32 and the expert
                      outputs [b, S, topk, dim] bf16 (every token's experts computed locally)
       + logits [b, V] f32,
@@ -51,6 +52,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dsv41_jax.attention import index_score_block
 from dsv41_jax import sharding as shd
 from dsv41_jax.config import ConfigError, ModelArgs
 
@@ -116,7 +118,10 @@ def transient_estimate(args: ModelArgs, rows: int, prefill_tokens: int, max_seq_
         rows_r = keys // r if r else 0
         k = a.window_size + (min(a.index_topk, rows_r) if r else 0)
         attention = 2 * b * s * a.n_heads * a.head_dim * 2 + b * s * k * a.head_dim * 2 + b * s * a.n_heads * k * 4
-        index = b * s * a.index_n_heads * rows_r * 4 + b * s * rows_r * 2 if a.is_index_source(layer) else 0
+        index = 0
+        if a.is_index_source(layer):
+            cols = index_score_block(b, s, a.index_n_heads, rows_r)
+            index = b * s * a.index_n_heads * cols * 4 + b * s * rows_r * 2
         _, topk = a.moe_experts(layer)
         moe = 2 * b * s * topk * a.moe_inter_dim * 4 + b * s * topk * a.dim * 2
         return max(attention, index, moe)

@@ -294,6 +294,20 @@ def test_index_scores_round_dots_products_and_head_sum_to_bf16_like_the_referenc
     np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
 
 
+@pytest.mark.parametrize("s, t, block_bytes", [(64, 300, 64 * 8 * 4 * 2 * 128), (1, 1000, 3 * 8 * 4 * 2)])
+def test_index_scores_in_key_blocks_equal_the_reference_rounding(s, t, block_bytes):
+    # block_bytes gives 128-key blocks (300 keys: two full and one padded block) for the prefill
+    # shape and 3-key blocks (a ragged last block) for a decode row
+    rng = np.random.default_rng(7)
+    q = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (2, s, 8, 32)))
+    k = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (2, t, 32)))
+    w = rand_bf16(rng, (2, s, 8), 0.1)
+    got = index_scores(q, k, w, block_bytes=block_bytes)
+    assert got.dtype == jnp.bfloat16 and got.shape == (2, s, t)
+    np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
+    np.testing.assert_array_equal(f64(got), f64(index_scores(q, k, w)))
+
+
 def np_topk(scores, lens, k, offset):
     """Lower index first among equal scores, then position order; unreachable -> -1."""
     out = np.zeros(scores.shape[:-1] + (k,), np.int64)

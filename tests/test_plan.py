@@ -14,6 +14,7 @@ from conftest import DATA, GOLDEN_ROOT
 from dsv41_jax import generate as G
 from dsv41_jax import plan as P
 from dsv41_jax import sharding as shd
+from dsv41_jax.attention import index_score_block
 from dsv41_jax.cache import cache_bytes
 from dsv41_jax.config import ModelArgs
 
@@ -91,19 +92,24 @@ def test_decode_transient_is_the_stated_sum_at_the_released_config(released):
     assert t["decode"] == stream + index + 129280 * 4
 
 
-def test_prefill_transient_grows_with_the_square_of_the_prompt_at_the_indexer(released):
-    # a whole 4096-token prompt in one call: a compressed layer's attention leads (q, o, 640
-    # gathered rows, f32 logits)
+def test_prefill_transient_is_led_by_attention_once_the_indexer_works_in_key_blocks(released):
+    # a compressed layer's attention: q, o, 640 gathered rows, f32 logits per query
+    def attention(s):
+        return 2 * s * 64 * 512 * 2 + s * 640 * 512 * 2 + s * 64 * 640 * 4
+
     short = P.transient_estimate(released, 1, 4096, 4096)
-    assert short["prefill layer"] == 2 * 4096 * 64 * 512 * 2 + 4096 * 640 * 512 * 2 + 4096 * 64 * 640 * 4
+    assert short["prefill layer"] == attention(4096)
     a = P.transient_estimate(released, 1, 8192, 8192)
     b = P.transient_estimate(released, 1, 16384, 16384)
-    # from 8192 on, the layer-20 indexer's [S, 32 heads, S] f32 products dominate
-    assert a["prefill layer"] == 8192 * 32 * 8192 * 4 + 8192 * 8192 * 2
-    assert b["prefill layer"] == 4 * a["prefill layer"]
+    # the layer-20 indexer's [S, 32 heads, S] f32 products (32 GiB at 16k) are formed 1 GiB at a
+    # time, so they no longer lead: the working set grows linearly with the prompt
+    assert index_score_block(1, 16384, 32, 16384) == 512
+    assert 16384 * 32 * 512 * 4 + 16384 * 16384 * 2 < attention(16384)
+    assert a["prefill layer"] == attention(8192)
+    assert b["prefill layer"] == attention(16384) == 2 * a["prefill layer"]
     # chunks of 4096 over a 64k context: the last chunk's indexer scores all 65536 rows
     chunk = P.transient_estimate(released, 1, 4096, T64K)
-    assert chunk["prefill layer"] == 4096 * 32 * T64K * 4 + 4096 * T64K * 2
+    assert chunk["prefill layer"] == attention(4096)
     plan = P.memory_plan(released, "data=2,expert=4", T64K, batch=4, prefill_tokens=4096)
     assert plan.transient["prefill layer"] == 2 * chunk["prefill layer"]  # 2 rows per device
 
@@ -121,14 +127,16 @@ def test_engram_tables_are_planned_split_as_the_converter_pads_them(released):
 
 def test_verdicts_for_a_few_meshes(no_engram, released):
     eight = P.memory_plan(no_engram, "expert=8", T64K, prefill_tokens=2048)
-    # 36.1 GB of experts + 12.2 GB replicated + cache, + 17.6 GB transient (2048-token chunks whose
-    # indexer scores 64k rows): one H200 or v5p, not a v6e
-    assert 48e9 < eight.resident_per_device < 49e9 and 17e9 < eight.transient_per_device < 18e9
+    # 36.1 GB of experts + 12.2 GB replicated + cache, + 2.1 GB transient (2048-token chunks: a
+    # compressed layer's attention 1.95 GB; the indexer scoring 64k rows works in 1 GiB key
+    # blocks): one H200 or v5p, not a v6e
+    assert 48e9 < eight.resident_per_device < 49e9 and 2.1e9 < eight.transient_per_device < 2.2e9
     assert [eight.fits(c) for c in P.CHIPS] == [True, True, False]
-    # a 64k prompt in one prefill call: the resident part fits, the indexer's transient does not
+    # a 64k prompt in one prefill call: 62.3 GB of attention working set + 5.4 GB of hc stream;
+    # it fits an H200 beside the weights, not a v5p
     whole = P.memory_plan(no_engram, "expert=8", T64K)
-    assert whole.fits("H200", with_transient=False) and not whole.fits("H200")
-    assert whole.transient_per_device > 500e9
+    assert 67e9 < whole.transient_per_device < 68e9
+    assert whole.fits("H200") and whole.fits("TPU v5p", with_transient=False) and not whole.fits("TPU v5p")
     # the released model on 8 v6e: the experts alone (36.1 GB per device) exceed a chip
     assert P.memory_plan(released, "expert=8", T64K).weights_device["routed experts"] > P.CHIPS["TPU v6e"]
     assert not P.memory_plan(released, "expert=8", T64K, prefill_tokens=16).fits("TPU v6e")

@@ -17,6 +17,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics import reciprocal_sqrt
 from pallas_kernels._dispatch import resolve as _resolve
 from pallas_kernels.sinkhorn import kernel_gpu, kernel_tpu
 from pallas_kernels.sinkhorn import reference as _ref
@@ -162,7 +163,7 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     if fn.shape != (n_mix, hc * d):
         raise ValueError(f"fn must be [{n_mix}, {hc * d}] for x {x.shape}, got {fn.shape=}")
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
-    rsqrt = 1.0 / jnp.sqrt(jnp.mean(jnp.square(u), axis=-1) + jnp.float32(norm_eps))  # [b, s]
+    rsqrt = reciprocal_sqrt(jnp.mean(jnp.square(u), axis=-1) + jnp.float32(norm_eps))  # [b, s]
     proj = project_rounded_once(u, fn.astype(jnp.float32))
     return _dispatch(proj, scale, base, rsqrt, hc=hc, iters=iters, eps=hc_eps, implementation=implementation,
                      target=target, block_sizes=block_sizes, interpret=interpret)
