@@ -52,8 +52,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dsv41_jax.attention import index_score_block
 from dsv41_jax import sharding as shd
+from dsv41_jax.attention import index_score_block
 from dsv41_jax.config import ConfigError, ModelArgs
 
 __all__ = ["CHIPS", "DEFAULT_PLAN_MESH", "RELEASED_CONFIG", "MemoryPlan", "format_plan", "load_config", "main",

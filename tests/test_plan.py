@@ -9,8 +9,8 @@ import logging
 
 import numpy as np
 import pytest
-
 from conftest import DATA, GOLDEN_ROOT
+
 from dsv41_jax import generate as G
 from dsv41_jax import plan as P
 from dsv41_jax import sharding as shd
