@@ -441,7 +441,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 args = bench_args(tiny, batch, context, kernels)
                 pb = param_bytes(args)
                 counts = [count_layer(args, i, pb, batch, context) for i in range(args.n_layers)]
-                by = sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]  # embed rows, fp32 head
+                by = sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]  # embed rows, bf16 head
                 fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
                 try:
                     graphdef, state = random_model(args)

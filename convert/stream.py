@@ -4,7 +4,7 @@ Per group (see `convert.plan`): each parameter is assembled in a fresh host buff
 dtype (stacked experts copied expert by expert, bf16 widened, fp8 / fp4 dequantised where the
 plan says so), then one synchronous Orbax PyTree save writes the group and the buffers are
 dropped. Orbax writes an array only from a whole in-memory value, so the group (at most one
-layer's stacked w1 with its scales, or the fp32 head) is the memory in flight. The Engram
+layer's stacked w1 with its scales, or the head) is the memory in flight. The Engram
 tables, larger than a host's RAM, are the exception: they are copied row block by row block
 into zarr3 arrays with tensorstore, followed by the zero rows that pad them to a multiple of the
 mesh's split (`Leaf.pad_rows`, see `convert.plan`).

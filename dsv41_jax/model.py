@@ -134,6 +134,18 @@ class Block(nnx.Module):
 _GOLDEN_NAMES = {"kv_state": "compressor_kv_state", "score_state": "compressor_score_state"}
 
 
+def head_logits(h: jax.Array, w: jax.Array) -> jax.Array:
+    """h bf16 [..., dim], w bf16 [V, dim] -> logits f32 [..., V] (SPEC §8).
+
+    The reference widens both to fp32 (its head parameter is fp32 holding the hub's bf16 values)
+    and multiplies in fp32: every product of two bf16 values is exact in fp32, so one bf16 dot
+    with fp32 accumulation forms the same sum, while reading half the bytes of an fp32 weight
+    and running at the bf16 matmul rate."""
+    if h.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise TypeError(f"head_logits takes bf16 operands, got h {h.dtype} and head.weight {w.dtype}")
+    return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 class Transformer(nnx.Module):
     """embed -> hc copies -> (Engram) + blocks -> collapse with the last FFN pre-mix -> norm -> head."""
 
@@ -142,8 +154,8 @@ class Transformer(nnx.Module):
         self.embed = Embedding(args.vocab_size, args.dim)
         self.layers = nnx.List([Block(i, args) for i in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        # bf16 in the checkpoint, held in fp32 so the logits come out fp32 (SPEC §8)
-        self.head = Linear(args.dim, args.vocab_size, dtype="fp32")
+        # bf16 in the checkpoint and kept so (the reference widens it to fp32: see `head_logits`)
+        self.head = Linear(args.dim, args.vocab_size, dtype="bf16")
         self.engram_layout = EngramLayout.from_args(args) if args.engram_layer_ids else None
         self.token_map = TokenMap(jnp.arange(args.vocab_size, dtype=jnp.int32)) if args.engram_layer_ids else None
 
@@ -396,11 +408,11 @@ class Transformer(nnx.Module):
         return x, pre_mix
 
     def logits(self, x: jax.Array, pre_mix: jax.Array, *, all_logits: bool = False) -> jax.Array:
-        """Final collapse (last block's FFN pre-mix), norm, fp32 head. x [b, s, hc, d]."""
+        """Final collapse (last block's FFN pre-mix), norm, head (bf16 weights, fp32 logits). x [b, s, hc, d]."""
         h = self.norm(hc_pre(x, pre_mix))
         if not all_logits:
             h = h[:, -1]
-        return self.head(h.astype(jnp.float32))
+        return head_logits(h, self.head.weight[...])
 
 
 def replay_start(args: ModelArgs) -> int:

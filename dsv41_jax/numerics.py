@@ -52,6 +52,12 @@ def exact_div(a: jax.Array, b) -> jax.Array:
 
 
 def reciprocal_sqrt(x: jax.Array) -> jax.Array:
-    """1 / sqrt(x) in f32 as the reference's torch.rsqrt rounds on CPU: the IEEE square root, then
-    a correctly rounded division (never XLA's approximate rsqrt)."""
-    return exact_div(jnp.ones_like(x), jnp.sqrt(x))
+    """1 / sqrt(x) in f32 as the reference's torch.rsqrt rounds on CPU: the correctly rounded f32
+    square root, then a correctly rounded division (never XLA's approximate rsqrt). XLA:GPU's
+    f32 square root is not correctly rounded either, so it too is taken in float64 there."""
+    if x.dtype == jnp.float32 and jax.default_backend() != "tpu":
+        with jax.enable_x64(True):
+            root = jnp.sqrt(x.astype(jnp.float64)).astype(jnp.float32)
+    else:
+        root = jnp.sqrt(x)
+    return exact_div(jnp.ones_like(x), root)

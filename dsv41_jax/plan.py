@@ -12,7 +12,7 @@ needed. The default config is the released one (tests/data/released_config.json)
 
 Parts:
   * weights: routed experts, Engram tables, and the rest (attention, shared experts, router,
-    hyper-connections, embedding, fp32 head; replicated by the default rules);
+    hyper-connections, embedding, bf16 head; replicated by the default rules);
   * cache: `init_cache(args, B, max_seq_len)` for B = the batch padded to a multiple of `data`
     (the generator pads it so); its rows are split over `data`;
   * transient: an estimate of the activations alive at the peak of one program on one device,
