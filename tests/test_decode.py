@@ -427,3 +427,17 @@ def test_collect_returns_golden_named_intermediates_consistent_with_the_logits()
     assert step_rec[f"topk.{_tag(a.index_source_layers[0])}"].shape == (2, 1, a.index_topk)
     np.testing.assert_array_equal(np.asarray(step_rec[f"index_k_owner.{_tag(a.index_source_layers[0])}"]),
                                   [a.index_source_layers[0]] * 2)
+
+
+def test_parity_cli_prefill_only_with_a_kernel_choice_writes_no_decode_arrays(tmp_path, capsys):
+    gs = GoldenSet(DATA / "golden" / "tiny-a")
+    out = tmp_path / "prefill.npz"
+    assert parity.main([str(gs.path), "--kernels", "reference", "--prefill-only", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "FAIL" not in table and "not computed" not in table
+    res = np.load(out)
+    assert res.files and all(k.startswith("prefill.") for k in res.files)
+    assert {k.removesuffix(".bf16") for k in res.files} >= {
+        k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
+    with pytest.raises(SystemExit):
+        parity.main([str(gs.path), "--kernels", "fast"])
