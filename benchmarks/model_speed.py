@@ -49,6 +49,7 @@ from flax import nnx
 
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
+from dsv41_jax.generate import context_bucket
 from dsv41_jax.model import Transformer
 
 RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
@@ -223,8 +224,8 @@ def _fill_cache(cache, key):
 
 
 def seeded_cache(args: ModelArgs, batch: int, context: int):
-    """A decode cache of `context` positions with every row holding context - 1 tokens."""
-    cache = init_cache(args, batch, context)
+    """A decode cache of args.max_seq_len positions with every row holding context - 1 tokens."""
+    cache = init_cache(args, batch, args.max_seq_len)
     cache = _fill_cache(cache, jax.random.key(1))
     cache["seq_len"] = jnp.full((batch,), context - 1, jnp.int32)
     return cache
@@ -426,19 +427,25 @@ def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique
                     fraction_of_ceiling=None, error=f"{type(err).__name__}: {str(err)[:200]}")
 
 
-def _decode_fn(graphdef):
+def _decode_fn(graphdef, context_bound=None):
     def step(state, ids, pos, cache):
-        return nnx.merge(graphdef, state).decode_step(ids, pos, cache)
+        return nnx.merge(graphdef, state).decode_step(ids, pos, cache, context_bound=context_bound)
     return jax.jit(step, donate_argnums=(3,))
 
 
-def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=()):
+def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=(), cache_len=None,
+                   bound=True):
+    """Decode rows. cache_len: the caches hold this many positions (default: the context); with
+    `bound` the step gets the Generator's context bound (`generate.context_bucket`), so the
+    indexers score only the rows the context can see, else every cached row. Rows record both."""
     for context in contexts:
         for batch in batches:
             for path in paths:
                 name = f"decode {path}"
                 kernels = "auto" if path == "fast" else "reference"
-                args = bench_args(tiny, batch, context, kernels)
+                cache_len_row = max(cache_len or context, context)
+                args = bench_args(tiny, batch, cache_len_row, kernels)
+                context_bound = context_bucket(context, cache_len_row) if bound else None
                 pb = param_bytes(args)
                 counts = [count_layer(args, i, pb, batch, context) for i in range(args.n_layers)]
                 by = sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]  # embed rows, bf16 head
@@ -450,7 +457,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     # then far fewer experts are read than `unique_experts` counts
                     ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
                     pos = cache["seq_len"]
-                    f = _decode_fn(graphdef)
+                    f = _decode_fn(graphdef, context_bound)
                     t0 = time.perf_counter()
                     _, cache = f(state, ids, pos, cache)
                     jax.block_until_ready(cache)
@@ -464,7 +471,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     t = timeit(call, iters=5 if not tiny else 2)
                     rep.add(name=name, batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                             fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
-                            tokens_per_s=round(batch / t, 1))
+                            tokens_per_s=round(batch / t, 1), cache_len=cache_len_row, context_bound=context_bound)
                     if (batch, context, path) in profile_for:
                         profile_rows(rep, call, name, batch, context)
                     if (batch, context, path) in layers_for:
@@ -605,6 +612,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-for", default="1x4096,64x4096", help="BxT decode shapes profiled (fast path)")
     p.add_argument("--reference-contexts", default=None, help="decode contexts timed on the reference path too")
     p.add_argument("--reference-prefill", default=None, help="prefill lengths timed on the reference path too")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="decode caches of this many positions (default: each row's context)")
+    p.add_argument("--no-context-bound", action="store_true",
+                   help="decode steps score every cached index key (no Generator context bound)")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -650,7 +661,8 @@ def main(argv=None) -> int:
         if "decode" in sections:
             for batch in batches:
                 ps = [v for v in paths if v == "fast" or (batch in ref_b and context in ref_ctx)]
-                decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for)
+                decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for,
+                               ns.cache_len, not ns.no_context_bound)
         if n_ctx == 0 and "prefill" in sections:
             for s_len in lengths:
                 prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v == "fast" or s_len in ref_pre])

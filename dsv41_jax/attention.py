@@ -152,6 +152,24 @@ def select_candidate_blocks(scores: jax.Array, compress_lens, topk_blocks: int, 
     return jnp.repeat(keep, block_size, axis=-1)[..., :w], blocks
 
 
+def pad_index_outputs(out: dict, n: int, k: int, block_size: int) -> dict:
+    """An indexer's decode outputs over the first w < n rows, padded to the arrays of all n rows:
+    index_score [b, 1, w] -> [b, 1, n] with -inf, topk [b, 1, min(k, w)] -> [b, 1, k] with -1
+    (the picks are ascending with -1 last, so the hidden picks of a full-width top-k are -1s
+    after them), candidates with False, cand_block_score [b, 1, ceil(w / block)] ->
+    [b, 1, ceil(n / block)] with -inf (w is a whole number of blocks)."""
+    def pad(a, width, value):
+        return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])], constant_values=value)
+
+    res = dict(out)
+    res["index_score"] = pad(out["index_score"], n, -jnp.inf)
+    res["topk"] = pad(out["topk"], k, -1)
+    if "candidates" in out:
+        res["candidates"] = pad(out["candidates"], n, False)
+        res["cand_block_score"] = pad(out["cand_block_score"], -(-n // block_size), -jnp.inf)
+    return res
+
+
 # --------------------------------------------------------------------------------- compressor
 
 
@@ -377,10 +395,14 @@ class Indexer(nnx.Module):
         return self._select(scores, causal_compress_lens(s, self.ratio), offset, candidates)
 
     def decode(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
-               pos: jax.Array, offset: int, candidates: jax.Array | None = None) -> dict:
+               pos: jax.Array, offset: int, candidates: jax.Array | None = None,
+               context_bound: int | None = None) -> dict:
         """Scores and top-k for one token per row. x [b, 1, dim], qr [b, 1, q_lora_rank], index_k
         bf16 [b, N, ihd] (a whole cache: N = max_seq_len // r), cos/sin at `pos` int32 [b],
         offset = window length (the ring comes first in the KV concat), candidates bool [b, 1, N].
+        context_bound (static int or None): a promise that every pos < context_bound; then only
+        the first `decode_index_width` rows are scored and the results are padded back to width
+        N (-inf scores, False candidates, -1 indices), which gives the same arrays (see below).
 
         Row b sees the first (pos[b] + 1) // r compressed positions; the other columns are -inf.
         Returns the keys of `prefill` with width N (candidates False beyond the visible columns).
@@ -395,6 +417,12 @@ class Indexer(nnx.Module):
         candidate blocks: blocks past the visible width score -inf and are never kept, and the
         visible ones are ranked in the same order, so the kept blocks are the reference's.
         """
+        n = index_k.shape[1]
+        w = self.decode_index_width(n, context_bound)
+        if w < n:  # every hidden column is -inf and never chosen: score the visible prefix only
+            out = self.decode(x, qr, index_k[:, :w], cos, sin, pos, offset,
+                              None if candidates is None else candidates[..., :w])
+            return pad_index_outputs(out, n, min(self.index_topk, n), self.candidate_block_size)
         scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
         lens = ((pos + 1) // self.ratio).astype(jnp.int32)[:, None, None]  # [b, 1, 1]
         out = self._select(scores, lens, offset, candidates)
@@ -402,6 +430,17 @@ class Indexer(nnx.Module):
             # the reference's mask is only n columns wide; the pinned last block may reach past n
             out["candidates"] = out["candidates"] & (jnp.arange(index_k.shape[1]) < lens)
         return out
+
+    def decode_index_width(self, n: int, context_bound: int | None) -> int:
+        """Index-key rows a decode step must score when every position is < context_bound: the
+        rows those positions can see, ceil(bound / r), rounded up to whole candidate blocks on
+        layers that select or use them (so the blocks are the same as over all n rows)."""
+        if context_bound is None:
+            return n
+        rows = -(-context_bound // self.ratio)
+        if self.is_candidate_source or self.uses_candidates:
+            rows = -(-rows // self.candidate_block_size) * self.candidate_block_size
+        return max(1, min(n, rows))
 
     def chunk(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
               pos: jax.Array, candidates: jax.Array | None = None) -> dict:
@@ -696,9 +735,10 @@ class Attention(nnx.Module):
     # ------------------------------------------------------------------ decode
 
     def decode(self, x: jax.Array, shared: dict, cache: dict, pos: jax.Array,
-               reference_compat: bool | jax.Array = False):
+               reference_compat: bool | jax.Array = False, context_bound: int | None = None):
         """One new token per row at its own position. x bf16 [b, 1, dim], pos int32 [b], cache =
         this layer's entry of `dsv41_jax.cache` -> (out bf16 [b, 1, dim], shared, cache, aux).
+        context_bound: see `Indexer.decode` (same results; less index scoring when it is small).
 
         The token's window KV goes into ring slot pos % window and the query attends over the
         whole ring (slots holding positions > pos are -1), then over the selected compressed rows
@@ -717,7 +757,8 @@ class Attention(nnx.Module):
         kv = ring
         idx = jax.vmap(lambda p: window_topk_idxs(self.window, 1, p))(pos)  # [b, 1, window]
         if self.ratio:
-            rows, topk = self.compressed_decode(x, qr, cos, sin, pos, shared, cache, aux, reference_compat)
+            rows, topk = self.compressed_decode(x, qr, cos, sin, pos, shared, cache, aux, reference_compat,
+                                                context_bound)
             # gather the chosen rows (ascending, -1 last) instead of concatenating the whole cache;
             # sparse_attn sees the same vectors in the same order
             k = topk.shape[-1]
@@ -730,7 +771,8 @@ class Attention(nnx.Module):
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_decode(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
-                          shared: dict, cache: dict, aux: dict, reference_compat) -> tuple[jax.Array, jax.Array]:
+                          shared: dict, cache: dict, aux: dict, reference_compat,
+                          context_bound: int | None = None) -> tuple[jax.Array, jax.Array]:
         """The compressed branch of a decode step. Updates shared / cache / aux in place. Returns
         (compressed KV cache bf16 [b, N, hd] of the kv source, indices int32 [b, 1, k] offset by
         the window length)."""
@@ -740,7 +782,8 @@ class Attention(nnx.Module):
         if self.is_index_source:
             index_k, owner = read_index_k(shared, rows.shape[1], self.layer_id)
             cand = _require(shared, "candidates", self.layer_id) if self.uses_candidates else None
-            res = self.indexer.decode(x, qr, index_k, cos, sin, pos, offset=self.window, candidates=cand)
+            res = self.indexer.decode(x, qr, index_k, cos, sin, pos, offset=self.window, candidates=cand,
+                                      context_bound=context_bound)
             aux.update(res)
             aux["index_k_owner"] = owner
             if self.is_candidate_source:

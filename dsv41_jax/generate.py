@@ -55,6 +55,9 @@ from dsv41_jax.sampling import SamplingParams, sample
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
+# decode steps compile per context bound (`Transformer.decode_step(context_bound=...)`): powers of
+# two from this many positions; at and past max_seq_len the whole cache is scored
+MIN_CONTEXT_BUCKET = 4096
 
 
 def prompt_bucket(length: int, max_seq_len: int) -> int:
@@ -63,6 +66,18 @@ def prompt_bucket(length: int, max_seq_len: int) -> int:
     while b < length:
         b *= 2
     return min(b, max_seq_len)
+
+
+def context_bucket(positions: int, max_seq_len: int, smallest: int | None = MIN_CONTEXT_BUCKET) -> int | None:
+    """The decode context bound for a step whose positions are all < `positions`: the smallest
+    power of two >= positions, at least `smallest`; None (score the whole cache) when that
+    reaches max_seq_len or `smallest` is None."""
+    if smallest is None:
+        return None
+    b = smallest
+    while b < positions:
+        b *= 2
+    return None if b >= max_seq_len else b
 
 
 @dataclasses.dataclass
@@ -126,16 +141,24 @@ class Generator:
     program for every chunk), so activation memory is bounded by the chunk, not the prompt; the
     same logits and caches as one prefill. None: one prefill per prompt bucket.
 
+    min_context_bucket: decode steps promise `context_bound` = the power of two (at least this)
+    above the furthest position, so the indexers score only the cache rows the context can see
+    (same tokens and logits; one decode program per bucket, at most log2(max_seq_len /
+    min_context_bucket) + 1). None: every step scores the whole max_seq_len cache.
+
     `traces` counts how often each program was traced (= compiled): a test pins that decode
-    compiles once however many steps run.
+    compiles once per context bucket however many steps run.
     """
 
     def __init__(self, model, *, max_seq_len: int | None = None, reference_compat: bool = False,
                  mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES, pad_batch: bool = True,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, min_context_bucket: int | None = MIN_CONTEXT_BUCKET):
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        if min_context_bucket is not None and (not isinstance(min_context_bucket, int) or min_context_bucket < 1):
+            raise ValueError(f"min_context_bucket must be a positive number of positions or None, got {min_context_bucket!r}")
+        self.min_context_bucket = min_context_bucket
         self.args: ModelArgs = model.args
         self.max_seq_len = max_seq_len or self.args.max_seq_len
         self.reference_compat = reference_compat
@@ -148,7 +171,7 @@ class Generator:
             self.data = 1
             self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))
             self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,))
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6))
+            self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6, 7))
             self._init_cache = lambda b: init_cache(self.args, b, self.max_seq_len)
             self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3))
             return
@@ -166,7 +189,7 @@ class Generator:
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
         self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,),
                                       out_shardings=(logits_sh, cache_sh))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6),
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6, 7),
                                out_shardings=(replicated, logits_sh, cache_sh))
         self._init_cache = jax.jit(lambda b: init_cache(self.args, b, self.max_seq_len), static_argnums=(0,),
                                    out_shardings=cache_sh)
@@ -226,10 +249,12 @@ class Generator:
                 logits = jnp.where(self._put("lengths", n)[:, None] > 0, new, logits)
         return logits, cache
 
-    def _decode_impl(self, state, tokens, pos, cache, key_data, impl, params: SamplingParams):
+    def _decode_impl(self, state, tokens, pos, cache, key_data, impl, params: SamplingParams,
+                     context_bound: int | None = None):
         self.traces["decode"] += 1
         model = nnx.merge(self.graphdef, state)
-        logits, cache = model.decode_step(tokens, pos, cache, reference_compat=self.reference_compat)
+        logits, cache = model.decode_step(tokens, pos, cache, reference_compat=self.reference_compat,
+                                          context_bound=context_bound)
         return sample(logits, self._wrap_key(key_data, impl), params), logits, cache
 
     def _padded_batch(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -298,8 +323,9 @@ class Generator:
                 if done.all() or t == steps - 1:
                     break
                 t1 = time.perf_counter()
+                bound = context_bucket(int(pos.max()) + 1, self.max_seq_len, self.min_context_bucket)
                 tok, logits, cache = self._decode(self.state, tok, self._put("pos", pos), cache,
-                                                  *self._key_data(key, t + 1), params)
+                                                  *self._key_data(key, t + 1), params, bound)
                 tok.block_until_ready()
                 step_seconds.append(time.perf_counter() - t1)
                 pos = pos + 1
@@ -457,6 +483,9 @@ def main(argv=None) -> int:
                    help="reproduce the official decode's index-key hand-off (SPEC §21) instead of the consistent one")
     p.add_argument("--prefill-chunk", type=int, help="prefill in chunks of this many tokens (bounded memory for "
                    "long prompts; same results)")
+    p.add_argument("--min-context-bucket", type=int, default=MIN_CONTEXT_BUCKET,
+                   help="decode compiles per power-of-two context from this many positions and scores only the "
+                   "index keys the context can see (same results); 0: always score the whole cache")
     p.add_argument("--logits-out", help="write tokens [B, steps] and logits [steps, B, V] float32 to this .npz")
     p.add_argument("--mesh", help="device mesh, e.g. expert=4,data=2 (axes data, expert, tensor; must use every "
                                   "device; default: expert = gcd(devices, routed experts), the rest data)")
@@ -495,7 +524,7 @@ def main(argv=None) -> int:
         mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)
         model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh)
         gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat, mesh=mesh,
-                        prefill_chunk=ns.prefill_chunk)
+                        prefill_chunk=ns.prefill_chunk, min_context_bucket=ns.min_context_bucket or None)
         res = gen.generate(prompts, ns.max_new_tokens, params, jax.random.key(ns.seed), tuple(ns.eos_id),
                            return_logits=bool(ns.logits_out))
     except (ValueError, FileNotFoundError, ConfigError) as e:

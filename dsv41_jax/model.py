@@ -119,11 +119,11 @@ class Block(nnx.Module):
         return x, pre, shared, cache, {**aux, **moe_aux}
 
     def decode(self, x: jax.Array, pre_mix: jax.Array, shared: dict, cache: dict, pos: jax.Array,
-               reference_compat: bool | jax.Array = False):
+               reference_compat: bool | jax.Array = False, context_bound: int | None = None):
         """One token per row: x [b, 1, hc, d], pre_mix [b, 1, hc], pos int32 [b], cache = this
         layer's entry. Returns (x, pre, shared, cache, aux); see `Attention.decode`."""
         def attend(h):
-            out, new_shared, new_cache, aux = self.attn.decode(h, shared, cache, pos, reference_compat)
+            out, new_shared, new_cache, aux = self.attn.decode(h, shared, cache, pos, reference_compat, context_bound)
             return out, (new_shared, new_cache, aux)
 
         x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, None, attend)
@@ -328,7 +328,7 @@ class Transformer(nnx.Module):
         return hashes, padded[:, :t]
 
     def decode_step(self, ids: jax.Array, pos: jax.Array, cache: dict, *, reference_compat: bool = False,
-                    collect: bool = False):
+                    collect: bool = False, context_bound: int | None = None):
         """One new token per row. ids int [b], pos int32 [b] (its position: row b holds pos[b]
         tokens, e.g. cache["seq_len"]; pos < max_seq_len), cache from `prefill` or a previous step.
 
@@ -337,6 +337,10 @@ class Transformer(nnx.Module):
         decode's index-key hand-off (SPEC §21), where a ratio-r owner whose group is still open
         scores the keys the previous call published last; raises NotImplementedError for configs
         where that is not a fixed layer (`previous_call_index_k_owner`).
+        context_bound (static int or None): a promise that every pos < context_bound. The indexers
+        then score only the cached rows such positions can see instead of all max_seq_len // r
+        (same results; one compiled step per bound, see `Generator`). A broken promise gives
+        wrong results, not an error.
         Returns (logits f32 [b, V], cache with seq_len = pos + 1), plus intermediates with collect.
         """
         a = self.args
@@ -356,7 +360,8 @@ class Transformer(nnx.Module):
         def step(layer, x, pre_mix):
             nonlocal shared
             i = layer.layer_id
-            x, pre_mix, shared, layers[i], aux = layer.decode(x, pre_mix, shared, layers[i], pos, reference_compat)
+            x, pre_mix, shared, layers[i], aux = layer.decode(x, pre_mix, shared, layers[i], pos, reference_compat,
+                                                              context_bound)
             return x, pre_mix, aux
 
         record = {} if collect else None

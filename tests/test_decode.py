@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from dsv41_jax import parity
 from dsv41_jax.attention import previous_call_index_k_owner
 from dsv41_jax.cache import cache_bytes, init_cache, seed_group_state, seed_window, write_row
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.parity import GoldenSet, load_model
+from dsv41_jax.loading import load_hub_weights
+from dsv41_jax.model import Transformer
+from dsv41_jax.parity import NOT_IN_TEXT_MODEL, GoldenSet, load_model
 
 DATA = Path(__file__).parent / "data"
 MODES = parity.DECODE_MODES  # golden prefix -> reference_compat
@@ -441,3 +444,29 @@ def test_parity_cli_prefill_only_with_a_kernel_choice_writes_no_decode_arrays(tm
         k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     with pytest.raises(SystemExit):
         parity.main([str(gs.path), "--kernels", "fast"])
+
+
+def test_decode_step_with_a_context_bound_equals_the_whole_cache_arrays():
+    # the indexers score only the rows positions < bound can see; every aux array (scores padded
+    # with -inf, top-k with -1, candidates with False, block scores) and every cache array match
+    # (tiny-a: ratio-2 and ratio-1 indexers, a candidate source and its users; tiny-c passes too)
+    gs = GoldenSet(DATA / "golden" / "tiny-a")
+    args = dataclasses.replace(gs.args, max_seq_len=256)
+    model = Transformer(args)
+    load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
+    if model.token_map is not None:
+        model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 400, (2, 24)), jnp.int32)
+    lengths = jnp.asarray([24, 13], jnp.int32)
+    _, cache = nnx.jit(lambda m, i, n, c: m.prefill(i, n, c))(model, ids, lengths, init_cache(args, 2, 256))
+    step = nnx.jit(lambda m, t, p, c, bound: m.decode_step(t, p, c, collect=True, context_bound=bound),
+                   static_argnums=4)
+    tok = jnp.asarray([7, 11], jnp.int32)
+    for bound in (None, 32):
+        _, c_b, rec_b = step(model, tok, lengths, jax.tree.map(jnp.copy, cache), bound)
+        if bound is None:
+            want = (c_b, rec_b)
+    got = (c_b, rec_b)
+    assert set(got[1]) == set(want[1]) and any(k.startswith("index_score") for k in got[1])
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))

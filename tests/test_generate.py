@@ -241,3 +241,24 @@ def test_demo_converts_loads_and_generates_and_the_cli_reads_the_converted_direc
     assert G.main(["--ckpt", str(tmp_path / "converted"), "--prompt-ids", "[[1, 17, 42, 99]]",
                    "--max-new-tokens", "4", "--max-seq-len", "32"]) == 0
     assert f"[0] {demo_tokens}" in capsys.readouterr().out
+
+
+def test_context_buckets_are_powers_of_two_from_the_smallest_and_none_at_max_seq_len():
+    assert [G.context_bucket(n, 512, 32) for n in (1, 32, 33, 200, 256, 257)] == [32, 32, 64, 256, 256, None]
+    assert G.context_bucket(10, 512, None) is None and G.context_bucket(10, 32, 32) is None
+
+
+def test_decode_with_context_buckets_gives_the_same_tokens_and_logits_with_one_program_per_bucket():
+    # max_seq_len 512: without buckets every step's indexers score 256 (ratio 2) / 512 (ratio 1)
+    # rows; with buckets from 16 positions the steps at positions 21..32 use bounds 32 and 64
+    # (both crossings inside the run, the candidate layers' widths in whole blocks)
+    model = load_model(GoldenSet(TINY))
+    prompts = [_prompt(21, 4), _prompt(9, 5)]
+    outs, traces = [], []
+    for smallest in (16, None):
+        gen = G.Generator(model, max_seq_len=512, min_context_bucket=smallest)
+        outs.append(gen.generate(prompts, 13, return_logits=True))
+        traces.append(gen.traces["decode"])
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
+    assert traces == [2, 1]
