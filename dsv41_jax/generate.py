@@ -500,6 +500,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")
     p.add_argument("--config", help="with --plan: config.json (default: --ckpt's, else the released config)")
     ns = p.parse_args(argv)
+    for flag, value, low in (("--prefill-chunk", ns.prefill_chunk, 1), ("--min-context-bucket", ns.min_context_bucket, 0)):
+        if value is not None and value < low:
+            print(f"error: {flag} must be a number of positions >= {low}, got {value}", file=sys.stderr)
+            return 2
     if ns.plan:
         from dsv41_jax import plan
 

@@ -220,6 +220,8 @@ def test_distributed_initialisation_is_skipped_without_a_coordinator_and_modes_a
     (["--prompt-ids", "[[1]]", "--mesh", "expert=8,data=2"], "needs 16 devices, but 1 cpu devices are available"),
     (["--prompt-ids", "[[1]]", "--mesh", "expert=2,pipeline=2"], "unknown axis 'pipeline'"),
     (["--prompt-ids", "[[1]]", "--num-processes", "2"], "--num-processes and --process-id go together"),
+    (["--prompt-ids", "[[1]]", "--prefill-chunk", "0"], "--prefill-chunk must be a number of positions >= 1"),
+    (["--prompt-ids", "[[1]]", "--min-context-bucket", "-1"], "--min-context-bucket must be a number of positions >= 0"),
 ])
 def test_cli_errors_name_the_problem(argv, message, capsys):
     assert G.main(["--ckpt", str(TINY), *argv]) == 2
