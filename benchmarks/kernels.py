@@ -33,11 +33,10 @@ H, D, WINDOW, TOPK = 64, 512, 128, 512  # released attention: 64 heads, 512 late
 HC, DIM, ITERS = 4, 5120, 20
 
 
-def _time(fn, make_args, *, inner: int, reps: int, bytes_per_call: float) -> tuple[float, float]:
+def _time(fn, make_args, *, inner: int, reps: int) -> tuple[float, float]:
     """(wall, device) seconds per call of fn(*args): wall = median host time of the unrolled
     program / inner; device = summed GPU kernel time per call from a profiler trace (no launch
     gaps; NaN where the trace has no device plane)."""
-    del bytes_per_call
     # one input set per call: identical calls on identical operands would be merged by XLA's CSE,
     # and distinct inputs keep repeated calls from hitting L2 (make_args may share a huge operand)
     sets = [make_args(i) for i in range(inner)]
@@ -89,7 +88,7 @@ def copy_bandwidth() -> float:
     """Bytes/s of a large device-to-device copy: read + write of a 2 GiB f32 buffer (x + 1)."""
     n = 2**29
     x = jax.random.uniform(jax.random.key(0), (n,), jnp.float32)
-    sec, dev = _time(lambda x: x + 1.0, lambda i: (x,), inner=1, reps=20, bytes_per_call=8 * n)
+    sec, dev = _time(lambda x: x + 1.0, lambda i: (x,), inner=1, reps=20)
     return 2 * 4 * n / _best(sec, dev)
 
 
@@ -132,7 +131,7 @@ def sinkhorn_rows(copy_bw: float, tokens=(1, 64, 4096)) -> list[Row]:
         inner = 50 if t <= 64 else 10
         for impl in ("reference", "pallas"):
             f = lambda x, fn_, s, b, impl=impl: sinkhorn_api.hc_mixes(x, fn_, s, b, **kw, implementation=impl)
-            sec, dev = _time(f, make_x, inner=inner, reps=30, bytes_per_call=site_bytes)
+            sec, dev = _time(f, make_x, inner=inner, reps=30)
             rows.append(Row("sinkhorn site (hc_mixes)", f"t={t}", impl, sec * 1e6, dev * 1e6, site_bytes,
                             site_bytes / _best(sec, dev) / copy_bw))
 
@@ -143,7 +142,7 @@ def sinkhorn_rows(copy_bw: float, tokens=(1, 64, 4096)) -> list[Row]:
                          ("pallas", sinkhorn_api.BlockSizes(division="div_rn"))):
             f = lambda m, s, b, impl=impl, bs=bs: sinkhorn_api.hc_split_sinkhorn(
                 m, s, b, hc=HC, iters=ITERS, eps=1e-6, implementation=impl, block_sizes=bs)
-            sec, dev = _time(f, make_m, inner=inner, reps=30, bytes_per_call=split_bytes)
+            sec, dev = _time(f, make_m, inner=inner, reps=30)
             err = ""
             if t == 4096:
                 m, s, b = make_m(0)
@@ -240,7 +239,7 @@ def attention_row(site, shape, impl, make, copy_bw, *, bs=None, acc="f32", inner
     args0 = make(0)
     nbytes = attn_bytes(args0[0], args0[1], args0[3])
     fn = _attn_fn(impl, bs, acc)
-    sec, dev = _time(fn, make, inner=inner, reps=reps, bytes_per_call=nbytes)
+    sec, dev = _time(fn, make, inner=inner, reps=reps)
     err = ""
     if check_err:
         q, kv, s, i = args0
@@ -283,8 +282,7 @@ def floor_rows(copy_bw) -> list[Row]:
     rows = []
     for name, f in (("xla x+1", lambda x: x + 1.0), ("pallas x+1", tiny_pallas)):
         try:
-            sec, dev = _time(f, lambda i: (jnp.full((128,), float(i), jnp.float32),), inner=50, reps=30,
-                             bytes_per_call=1024)
+            sec, dev = _time(f, lambda i: (jnp.full((128,), float(i), jnp.float32),), inner=50, reps=30)
         except Exception as e:  # noqa: BLE001 (no GPU: the Pallas row cannot compile)
             rows.append(Row("launch floor", "128 f32", name, float("nan"), float("nan"), 1024, 0.0,
                             note=f"FAILED {type(e).__name__}"))

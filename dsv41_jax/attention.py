@@ -527,8 +527,10 @@ class Attention(nnx.Module):
         return _rope_at(np.asarray(self.freqs, np.float32), positions)
 
     def rope_rows(self, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """cos, sin f32 [b, 1, rd/2] at one position per batch row, pos int [b]."""
-        return rope_angles(np.asarray(self.freqs, np.float32), jnp.asarray(pos)[:, None])
+        """cos, sin f32 [b, 1, rd/2] at one position per batch row, pos int [b]; pos int [b, c]
+        (a span per row) gives [b, c, rd/2]."""
+        pos = jnp.asarray(pos)
+        return rope_angles(np.asarray(self.freqs, np.float32), pos[:, None] if pos.ndim == 1 else pos)
 
     def query(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qr bf16 [b, s, q_lora_rank])."""
@@ -686,7 +688,7 @@ class Attention(nnx.Module):
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [b, c]
-        cos, sin = rope_angles(np.asarray(self.freqs, np.float32), pos)  # [b, c, rd/2]
+        cos, sin = self.rope_rows(pos)  # [b, c, rd/2]
         q, qr = self.query(x, cos, sin)
         kv = self.window_kv(x, cos, sin)
         ring = cache["window_kv"] if history else jnp.zeros((b, self.window, kv.shape[-1]), kv.dtype)
@@ -713,7 +715,7 @@ class Attention(nnx.Module):
             if states is not None:
                 cache["kv_state"], cache["score_state"] = states
             group = (start // r)[:, None] + jnp.arange(latent.shape[1], dtype=jnp.int32)[None, :]  # [b, G]
-            gcos, gsin = rope_angles(np.asarray(self.freqs, np.float32), group * r)  # a group's first token
+            gcos, gsin = self.rope_rows(group * r)  # a group's first token
             # index keys come from the latent BEFORE it is rotated and quantised for the cache
             cache["index_k"] = write_rows(cache["index_k"], group, self.indexer.keys(latent, gcos, gsin), complete)
             cache["compress_kv"] = write_rows(cache["compress_kv"], group, self.compress_latent(latent, gcos, gsin),

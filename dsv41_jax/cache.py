@@ -104,13 +104,13 @@ def seed_window(kv: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
     per row) -> [B, window, hd] holding position p in slot p % window for each row's last
     min(L, window) real positions; slots no real position reached are zero.
 
-    Slot j holds the newest real position congruent to j: p = L-1 - ((L-1-j) mod window).
+    Slot j holds the newest real position congruent to j: p = L-1 - ((L-1-j) mod window)
+    (`update_window` of an empty ring from position 0).
     """
     lengths = jnp.asarray(lengths, jnp.int32)
-    last = lengths[:, None] - 1
-    p = last - jnp.mod(last - jnp.arange(window, dtype=jnp.int32)[None, :], window)  # [B, window]
-    got = jnp.take_along_axis(kv, jnp.clip(p, 0, kv.shape[1] - 1)[:, :, None], axis=1)
-    return jnp.where((p >= 0)[:, :, None], got, jnp.zeros((), kv.dtype))
+    b, _, hd = kv.shape
+    empty = jnp.zeros((b, window, hd), kv.dtype)
+    return update_window(empty, kv, jnp.zeros_like(lengths), lengths)
 
 
 def seed_group_state(values: jax.Array, lengths: jax.Array, ratio: int, fill: float) -> jax.Array:
@@ -154,7 +154,7 @@ def update_window(ring: jax.Array, kv: jax.Array, start: jax.Array, end: jax.Arr
     the values of positions start .. start+c-1; start, end int32 [B] with start <= end <=
     start + c (positions >= end are padding). Slot j then holds the newest position p < end with
     p % window == j: from kv where p >= start, the old ring where 0 <= p < start, zero where no
-    such position exists (`seed_window` is the case start = 0).
+    such position exists (`seed_window` is the case of an empty ring and start = 0).
     """
     window = ring.shape[1]
     last = end[:, None] - 1

@@ -62,12 +62,10 @@ ms per MoE call, replicated / all_to_all, one device for scale): 8 tokens: exper
 expert=4,data=2 2.7 / 3.3 (one device 3.2); 512 tokens: 9.9 / 9.5 and 8.0 / 6.3 (8.9); 2048
 tokens: 67 / 18.5 and 23.6 / 15.7 (30.7).
 
-Local compute (both patterns, `_local_rows`): the device's pairs are sorted by local expert id
-and cut into tiles of `MoE.tile_rows` rows of one expert each (as in the single-device grouped
-path); a `lax.scan` over the tiles runs `Experts.dense` on the tile's expert and `Experts.ffn`
-on its rows and skips empty tiles with `lax.cond`, so a local expert's packed bytes are read
-once per tile it fills and never when no pair picked it. (The fp4 Pallas kernel of the
-single-device paths is not used here yet.)
+Local compute (both patterns): `Experts.grouped`, the single-device grouped path, over the local
+experts: the device's pairs sorted by local expert id and cut into tiles of `MoE.tile_rows` rows
+of one expert each, a local expert's packed bytes read once per tile it fills and never when no
+pair picked it. (The fp4 Pallas kernel of the single-device paths is not used here yet.)
 
 Mesh discovery (the contract with `MoE.__call__`): `active_expert_mesh()` reads
 `jax.sharding.get_abstract_mesh()`, which `jax.set_mesh(mesh)` sets, in jax 0.10.2 and 0.11.2
@@ -87,7 +85,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dsv41_jax.sharding import MESH_AXES
-from pallas_kernels.expert_matmul import api as expert_matmul
 
 __all__ = ["EPPattern", "active_expert_mesh", "capacity", "choose_pattern", "moe_forward", "token_axes"]
 
@@ -205,7 +202,8 @@ def moe_forward(moe, x: jax.Array, image_mask: jax.Array | None = None, *, mesh=
             idx = indices.reshape(-1)
             mine = idx // n_local == jax.lax.axis_index(_EXPERT)
             e_loc = jnp.where(mine, idx % n_local, n_local)  # n_local marks another device's pair
-            out = _local_rows(m.experts, jnp.repeat(xq, k, axis=0), weights.reshape(-1), e_loc, n_local, tile_rows)
+            pair_token = jnp.arange(idx.shape[0], dtype=jnp.int32) // k
+            out = m.experts.grouped(xq, pair_token, weights.reshape(-1), e_loc, n_local, tile_rows)
             # one device holds each pair's output, the others exact zeros: the sum is exact
             pair_out = jax.lax.psum(out, _EXPERT)
         else:
@@ -248,43 +246,9 @@ def _all_to_all_pairs(experts, xq, weights, indices, n_local: int, x_size: int, 
         send_w = jnp.zeros((slots,), _F32).at[dest].set(w_pairs, mode="drop")
         send_e = jnp.full((slots,), n_local, jnp.int32).at[dest].set(e_pairs, mode="drop")
         recv = [jax.lax.all_to_all(a, _EXPERT, 0, 0, tiled=True) for a in (send_x, send_w, send_e)]
-        y = _local_rows(experts, *recv, n_local, tile_rows)
+        y = experts.grouped(recv[0], jnp.arange(slots, dtype=jnp.int32), recv[1], recv[2], n_local, tile_rows)
         back = jax.lax.all_to_all(y, _EXPERT, 0, 0, tiled=True)  # row owner * cap + slot = my pair's output
         return jnp.where(sel[:, None], jnp.take(back, jnp.minimum(dest, slots - 1), axis=0), out)
 
     out0 = jnp.zeros((t * k, dim), _BF16)
     return jax.lax.fori_loop(0, n_rounds, one_round, out0)
-
-
-def _local_rows(experts, rows: jax.Array, w: jax.Array, e: jax.Array, n_local: int, tile_rows: int) -> jax.Array:
-    """This device's pairs through its local experts, grouped by expert.
-
-    rows bf16 [C, dim] (quantised tokens), w f32 [C] (routing weights), e int32 [C] local expert
-    id in [0, n_local), or n_local for a row that is not this device's (its output is 0).
-    experts: the local `Experts` (stacked [n_local, ...]). Returns bf16 [C, dim].
-    """
-    c_rows, dim = rows.shape
-    c = min(tile_rows, c_rows)
-    # pairs grouped by expert, foreign rows (id n_local) sorted last and left out of every tile
-    # (their scatter into the per-expert counts is out of bounds, which JAX drops)
-    order, ex, row0, valid = expert_matmul.grouped_tiles(e, n_local, c)
-    live = valid > 0
-    x_sorted = jnp.concatenate([jnp.take(rows, order, axis=0), jnp.zeros((c, dim), rows.dtype)])
-    w_sorted = jnp.concatenate([jnp.take(w, order), jnp.zeros((c,), _F32)])
-
-    def run(out, e_t, row0_t, valid_t):
-        w1, w3, w2 = experts.dense(e_t)
-        x_t = jax.lax.dynamic_slice_in_dim(x_sorted, row0_t, c)
-        w_t = jax.lax.dynamic_slice_in_dim(w_sorted, row0_t, c)
-        y = experts.ffn(x_t, w1, w3, w2, w_t)
-        old = jax.lax.dynamic_slice_in_dim(out, row0_t, c)
-        keep = (jnp.arange(c) < valid_t)[:, None]  # rows past the tile's end belong to the next expert
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row0_t, 0)
-
-    def step(out, tile):
-        live_t, e_t, row0_t, valid_t = tile
-        out = jax.lax.cond(live_t, lambda o: run(o, e_t, row0_t, valid_t), lambda o: o, out)
-        return out, None
-
-    out_sorted, _ = jax.lax.scan(step, jnp.zeros((c_rows + c, dim), _BF16), (live, ex, row0, valid))
-    return jnp.zeros((c_rows, dim), _BF16).at[order].set(out_sorted[:c_rows])

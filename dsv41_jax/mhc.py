@@ -9,33 +9,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics import cast, reciprocal_sqrt
-from pallas_kernels._dispatch import resolve
+from dsv41_jax.numerics import cast
 from pallas_kernels.sinkhorn import api as sinkhorn_api
-from pallas_kernels.sinkhorn.api import project_rounded_once
-from pallas_kernels.sinkhorn.reference import hc_split_sinkhorn
 
 
 def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, norm_eps: float,
              iters: int, hc_eps: float, implementation: str = "auto",
              interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per token: mixes = (fn @ u) * rsqrt(mean(u^2) + eps) over the flattened hc*d stream u, then
-    the Sinkhorn split. The RMS statistic is over the whole stream and applied after the
-    projection, without a weight; the projection is accumulated in float64 and rounded once
-    (`project_rounded_once`). Returns (pre, post, comb), all f32.
-
-    implementation / interpret (`ModelArgs.kernels` / `kernels_interpret`): where the Pallas split
-    applies ("auto": GPU/TPU), it also takes the RMS multiply (the same f32 product); otherwise the
-    jnp reference `hc_split_sinkhorn` runs on the multiplied mixes.
-    """
-    b, s, hc, d = x.shape
-    u = x.reshape(b, s, hc * d).astype(jnp.float32)
-    rsqrt = reciprocal_sqrt(jnp.mean(jnp.square(u), axis=-1, keepdims=True) + jnp.float32(norm_eps))
-    proj = project_rounded_once(u, fn.astype(jnp.float32))
-    if not resolve(implementation, None, interpret)[0]:
-        return hc_split_sinkhorn(proj * rsqrt, scale, base, hc=hc, iters=iters, eps=hc_eps)
-    return sinkhorn_api.hc_split_sinkhorn(proj, scale, base, rms=rsqrt[..., 0], hc=hc, iters=iters, eps=hc_eps,
-                                          implementation=implementation, interpret=interpret)
+    the Sinkhorn split; returns (pre, post, comb), all f32. The site lives in the kernels' api
+    (`pallas_kernels.sinkhorn.api.hc_mixes`: projection accumulated in float64 and rounded once,
+    the Pallas split where `implementation` / `interpret` pick it, else the jnp reference)."""
+    return sinkhorn_api.hc_mixes(x, fn, scale, base, norm_eps=norm_eps, iters=iters, hc_eps=hc_eps,
+                                 implementation=implementation, interpret=interpret)
 
 
 def hc_pre(x: jax.Array, pre_mix: jax.Array) -> jax.Array:

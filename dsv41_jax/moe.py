@@ -29,11 +29,12 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import pallas as pl
 
-from dsv41_jax.numerics import cast, exact_div
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear
+from dsv41_jax.numerics import cast, exact_div
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
 
@@ -193,6 +194,41 @@ class Experts(nnx.Module):
         h = swiglu(_dot(xq, w1), _dot(xq, w3), self.swiglu_limit, weights[:, None])
         return _dot(_quantise_input(h, self.dtype), w2)
 
+    def grouped(self, x: jax.Array, src: jax.Array, weights: jax.Array, e: jax.Array, n_e: int,
+                tile_rows: int) -> jax.Array:
+        """(token, expert) pairs through their experts, in tiles of one expert each (the jnp
+        grouped path). Pair p takes row x[src[p]] (x bf16 [*, dim], already `_quantise_input`-ed),
+        routing weight weights[p] (f32 [R]) and expert e[p] in [0, n_e) of this module's stack
+        (n_e: the stacked experts, local ones under expert parallelism), or e[p] = n_e for a pair
+        computed elsewhere, whose output is 0. Returns bf16 [R, dim] in pair order.
+
+        Pairs are sorted by expert (tokens ascending within) and cut into tiles of
+        min(tile_rows, R) rows (`expert_matmul.grouped_tiles`); a `lax.scan` over the tiles
+        dequantises one expert's three matrices per tile (`dense`) and runs `ffn` on its rows,
+        skipping tiles no pair filled, so an expert's packed bytes are read once per tile it
+        fills and never when no pair picked it."""
+        r, dim = src.shape[0], x.shape[-1]
+        c = min(tile_rows, r)
+        order, ex, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
+        x_sorted = jnp.concatenate([jnp.take(x, jnp.take(src, order), axis=0), jnp.zeros((c, dim), x.dtype)])
+        w_sorted = jnp.concatenate([jnp.take(weights, order), jnp.zeros((c,), _F32)])
+
+        def run(out, e_t, row0_t, valid_t):
+            w1, w3, w2 = self.dense(e_t)
+            x_t = jax.lax.dynamic_slice_in_dim(x_sorted, row0_t, c)
+            w_t = jax.lax.dynamic_slice_in_dim(w_sorted, row0_t, c)
+            y = self.ffn(x_t, w1, w3, w2, w_t)
+            old = jax.lax.dynamic_slice_in_dim(out, row0_t, c)
+            keep = (jnp.arange(c) < valid_t)[:, None]  # rows past the tile's end belong to the next expert
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row0_t, 0)
+
+        def step(out, tile):
+            e_t, row0_t, valid_t = tile
+            return jax.lax.cond(valid_t > 0, lambda o: run(o, e_t, row0_t, valid_t), lambda o: o, out), None
+
+        out_sorted, _ = jax.lax.scan(step, jnp.zeros((r + c, dim), _BF16), (ex, row0, valid))
+        return jnp.zeros((r, dim), _BF16).at[order].set(out_sorted[:r])
+
     def apply_one(self, e: int, x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
         """Expert e alone, through the plain `linear()` dispatch (layers.apply_linear), exactly as
         the reference's `Expert.forward`: x [..., dim] bf16, weights [..., 1] or None -> bf16."""
@@ -308,25 +344,8 @@ class MoE(nnx.Module):
         r, n_exp = n * k, self.n_experts
         if self.experts.use_kernel():
             return self._routed_grouped_kernel(xq, weights, indices)
-        c = min(self.tile_rows, r)
-        # pairs grouped by expert (tokens ascending within), cut into tiles of one expert each
-        order, e, row0, valid = expert_matmul.grouped_tiles(indices.reshape(-1), n_exp, c)
-        x_sorted = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, self.dim), xq.dtype)])
-        w_sorted = jnp.concatenate([jnp.take(weights.reshape(-1), order), jnp.zeros((c,), _F32)])
-
-        def step(out, tile):
-            e_t, row0_t, valid_t = tile
-            w1, w3, w2 = self.experts.dense(e_t)
-            rows = jax.lax.dynamic_slice_in_dim(x_sorted, row0_t, c)
-            rw = jax.lax.dynamic_slice_in_dim(w_sorted, row0_t, c)
-            y = self.experts.ffn(rows, w1, w3, w2, rw)
-            old = jax.lax.dynamic_slice_in_dim(out, row0_t, c)
-            keep = (jnp.arange(c) < valid_t)[:, None]  # rows past the tile's end belong to other experts
-            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row0_t, 0), None
-
-        out0 = jnp.zeros((r + c, self.dim), _BF16)
-        out_sorted, _ = jax.lax.scan(step, out0, (e, row0, valid))
-        return jnp.zeros((r, self.dim), _BF16).at[order].set(out_sorted[:r])
+        return self.experts.grouped(xq, jnp.arange(r, dtype=jnp.int32) // k, weights.reshape(-1),
+                                    indices.reshape(-1), n_exp, self.tile_rows)
 
     def _routed_grouped_kernel(self, xq, weights, indices):
         """`_routed_grouped` through the fp4 kernel: pairs sorted by expert, tiles of one expert
@@ -336,7 +355,7 @@ class MoE(nnx.Module):
         n, k = indices.shape
         r, ex = n * k, self.experts
         c = 16 if r <= 16 * self.n_experts else 128
-        c = max(16, min(c, pl_next_pow2(r)))
+        c = max(16, min(c, pl.next_power_of_2(r)))
         order, te, row0, valid = expert_matmul.grouped_tiles(indices.reshape(-1), self.n_experts, c)
         x_sorted = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, self.dim), xq.dtype)])
         w_sorted = jnp.concatenate([jnp.take(weights.reshape(-1), order), jnp.zeros((c,), _F32)])
@@ -348,10 +367,6 @@ class MoE(nnx.Module):
 
         y = ex.kernel_ffn(x_sorted, w_sorted, matmul)
         return jnp.zeros((r, self.dim), _BF16).at[order].set(y[:r])
-
-
-def pl_next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def combine(pair_out: jax.Array, indices: jax.Array, shared: jax.Array) -> jax.Array:

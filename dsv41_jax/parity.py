@@ -15,7 +15,6 @@ table (array, max abs err, worst err / RMS, ok) and exits 1 if any array fails i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -80,10 +79,10 @@ class GoldenSet:
         return None if tt is None else np.asarray(tt, np.int32)
 
 
-def load_model(gs: GoldenSet, kernels: str = "auto") -> Transformer:
+def load_model(gs: GoldenSet, **overrides) -> Transformer:
     """The text model with the set's weights and Engram token map (strict: every text tensor used);
-    `kernels` is `ModelArgs.kernels` ("auto", "reference" or "pallas")."""
-    model = Transformer(dataclasses.replace(gs.args, kernels=kernels))
+    `overrides`: ModelArgs fields to change, e.g. kernels="reference" or max_seq_len=256."""
+    model = Transformer(gs.args.replace(**overrides))
     load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
     if model.token_map is not None:
         model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
@@ -412,7 +411,7 @@ def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
-    model = load_model(gs, kernels)
+    model = load_model(gs, kernels=kernels)
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -25,9 +24,8 @@ from dsv41_jax import parity
 from dsv41_jax.attention import previous_call_index_k_owner
 from dsv41_jax.cache import cache_bytes, init_cache, seed_group_state, seed_window, write_row
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.loading import load_hub_weights
 from dsv41_jax.model import Transformer
-from dsv41_jax.parity import NOT_IN_TEXT_MODEL, GoldenSet, load_model
+from dsv41_jax.parity import GoldenSet, load_model
 
 DATA = Path(__file__).parent / "data"
 MODES = parity.DECODE_MODES  # golden prefix -> reference_compat
@@ -271,7 +269,6 @@ def test_reference_compat_is_refused_when_the_fallback_owner_depends_on_history(
                           index_source_layers=(2, 4, 6), candidate_source_layer=4)
     with pytest.raises(NotImplementedError, match="last kv source, layer 4"):
         previous_call_index_k_owner(args)
-    from dsv41_jax.model import Transformer
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
     cache = jax.eval_shape(lambda: init_cache(args, 1, 32))
@@ -450,12 +447,8 @@ def test_decode_step_with_a_context_bound_equals_the_whole_cache_arrays():
     # the indexers score only the rows positions < bound can see; every aux array (scores padded
     # with -inf, top-k with -1, candidates with False, block scores) and every cache array match
     # (tiny-a: ratio-2 and ratio-1 indexers, a candidate source and its users; tiny-c passes too)
-    gs = GoldenSet(DATA / "golden" / "tiny-a")
-    args = dataclasses.replace(gs.args, max_seq_len=256)
-    model = Transformer(args)
-    load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
-    if model.token_map is not None:
-        model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
+    model = load_model(GoldenSet(DATA / "golden" / "tiny-a"), max_seq_len=256)
+    args = model.args
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 400, (2, 24)), jnp.int32)
     lengths = jnp.asarray([24, 13], jnp.int32)
     _, cache = nnx.jit(lambda m, i, n, c: m.prefill(i, n, c))(model, ids, lengths, init_cache(args, 2, 256))

@@ -23,20 +23,17 @@ L08). The `gpu`-marked test runs every block of every set with the kernels compi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import GOLDEN_DIRS
 
 from dsv41_jax import parity
-from dsv41_jax.loading import load_hub_weights
 from dsv41_jax.model import Transformer
-from dsv41_jax.parity import NOT_IN_TEXT_MODEL, GoldenSet
+from dsv41_jax.parity import GoldenSet
 from pallas_kernels.sinkhorn import kernel_gpu as sinkhorn_gpu
 from pallas_kernels.sparse_attention import kernel_gpu as attn_gpu
 
@@ -51,12 +48,7 @@ HAS_GPU = jax.default_backend() == "gpu"
 
 def _kernel_model(path: str, interpret: bool) -> tuple[Transformer, GoldenSet]:
     gs = GoldenSet(path)
-    args = dataclasses.replace(gs.args, kernels="pallas", kernels_interpret=interpret)
-    model = Transformer(args)
-    load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
-    if model.token_map is not None:
-        model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
-    return model, gs
+    return parity.load_model(gs, kernels="pallas", kernels_interpret=interpret), gs
 
 
 def _counting(monkeypatch, module, name, counter):

@@ -21,6 +21,7 @@ from flax import nnx
 from dsv41_jax import parity
 from dsv41_jax.moe import swiglu as _swiglu
 from dsv41_jax.parity import GoldenSet, load_model
+from pallas_kernels.sinkhorn.reference import hc_split_sinkhorn as _sinkhorn
 
 # Measured: at most 246 of 53,248 elements (0.46%, tiny-c layer 8, all in one token) of a block
 # output are not bit-identical to the reference. A dropped bf16 rounding point (e.g. XLA eliding
@@ -162,9 +163,7 @@ def _twin_hc_post_transposed(f, residual, post, comb):
 
 
 def _twin_sinkhorn_eps_after_column_pass(mixes, scale, base, *, hc, iters, eps):
-    from pallas_kernels.sinkhorn.reference import hc_split_sinkhorn
-
-    pre, post, comb = hc_split_sinkhorn(mixes, scale, base, hc=hc, iters=iters, eps=0.0)
+    pre, post, comb = _sinkhorn(mixes, scale, base, hc=hc, iters=iters, eps=0.0)
     return pre + eps, post, comb + eps  # eps moved out of the softmax / the divisions
 
 
@@ -209,7 +208,8 @@ def _twin_gate_bias_in_weights(original):
 
 TWINS = {
     "hc_post contracts the second comb index": ("dsv41_jax.model", "hc_post", _twin_hc_post_transposed),
-    "sinkhorn eps outside the normalisations": ("dsv41_jax.mhc", "hc_split_sinkhorn",
+    # the site's jnp path (pallas_kernels.sinkhorn.api) calls the reference module's function
+    "sinkhorn eps outside the normalisations": ("pallas_kernels.sinkhorn.reference", "hc_split_sinkhorn",
                                                 _twin_sinkhorn_eps_after_column_pass),
     "swiglu clamp missing": ("dsv41_jax.moe", "swiglu", _twin_swiglu_without_clamp),
     "swiglu up clamped only from above": ("dsv41_jax.moe", "swiglu", _twin_swiglu_up_clamped_like_the_gate),

@@ -23,6 +23,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import resolve as _resolve
 from pallas_kernels.sparse_attention import kernel_gpu, kernel_tpu
@@ -65,7 +66,7 @@ class BlockSizes:
     split_probs: bool = True
 
     def resolved(self, target: Target, rows: int, d: int, k: int, h: int = 64) -> BlockSizes:
-        hp = max(16, pl_next_pow2(h))
+        hp = max(16, pl.next_power_of_2(h))
         num_warps = self.num_warps
         if target == "gpu" and self.split_probs:
             # head blocks shrink the [heads, d] f32 accumulator instead of splitting the columns
@@ -96,10 +97,6 @@ class BlockSizes:
 
 def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def pl_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _validate(q, kv, attn_sink, idx, scale):
