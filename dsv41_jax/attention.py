@@ -67,6 +67,11 @@ def _linear_dtype(args: ModelArgs) -> str:
     return "fp8" if args.dtype == "fp8" else "bf16"
 
 
+def _kernels(args: ModelArgs) -> dict:
+    """The kernel choice an fp8 `Linear` takes from the config."""
+    return {"kernels": args.kernels, "kernels_interpret": args.kernels_interpret}
+
+
 def _require(shared: dict, key: str, layer_id: int) -> jax.Array:
     if key not in shared:
         raise KeyError(
@@ -352,7 +357,7 @@ class Indexer(nnx.Module):
         self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
         # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args))
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **_kernels(args))
         self.weights_proj = Linear(args.dim, self.n_heads, "bf16")
         if self.owns_k:
             self.wk = Linear(args.head_dim, self.head_dim, "bf16")
@@ -503,13 +508,14 @@ class Attention(nnx.Module):
         hd_all = self.n_heads * self.head_dim
 
         self.attn_sink = nnx.Param(jnp.zeros((self.n_heads,), _F32))
-        self.wq_a = Linear(args.dim, args.q_lora_rank, lin)
+        kern = _kernels(args)
+        self.wq_a = Linear(args.dim, args.q_lora_rank, lin, **kern)
         self.q_norm = RMSNorm(args.q_lora_rank, eps)
-        self.wq_b = Linear(args.q_lora_rank, hd_all, lin)
-        self.wkv = Linear(args.dim, self.head_dim, lin)
+        self.wq_b = Linear(args.q_lora_rank, hd_all, lin, **kern)
+        self.wkv = Linear(args.dim, self.head_dim, lin, **kern)
         self.kv_norm = RMSNorm(self.head_dim, eps)
         self.wo_a = Linear(hd_all // self.n_groups, self.n_groups * self.o_lora_rank, "bf16")
-        self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim, lin)
+        self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim, lin, **kern)
         # shared keys this layer reads (published by lower layers)
         self.reads = tuple(
             ([] if self.role in ("window", "source") else ["compress_kv"])

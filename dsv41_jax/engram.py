@@ -378,7 +378,8 @@ class Engram(nnx.Module):
         self.dim, self.hc, self.eps, self.n_cols = args.dim, args.hc_mult, args.norm_eps, args.n_hash_cols
         rows = args.engram_num_embeddings[table]
         self.embed = EngramEmbedding(rows, args.engram_head_dim, stored_table_rows(rows, args.engram_rows_multiple))
-        self.wkv = Linear(args.n_hash_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, "fp8")
+        self.wkv = Linear(args.n_hash_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, "fp8",
+                          kernels=args.kernels, kernels_interpret=args.kernels_interpret)
         self.q_weight = nnx.Param(jnp.ones((args.hc_mult, args.dim), jnp.bfloat16))
         self.k_weight = nnx.Param(jnp.ones((args.hc_mult, args.dim), jnp.bfloat16))
 

@@ -2,7 +2,8 @@
 
 Parameter names equal the reference's (`weight`, `scale`), so a hub tensor `X.weight` / `X.scale`
 lands on `X.weight` / `X.scale` of the module tree. Quantised weights stay quantised in the state;
-they are widened only inside the matmul (see `dsv41_jax.quant.linear_fp8`).
+they are widened only inside the matmul: by XLA (`dsv41_jax.quant.linear_fp8`) or, for fp8 at few
+rows on a GPU, inside the Pallas kernel (`pallas_kernels.fp8_matmul`), as `kernels` picks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ceil_div
 from dsv41_jax.numerics import cast, reciprocal_sqrt
+from pallas_kernels.fp8_matmul import api as fp8_matmul
 
 WeightDtype = Literal["fp8", "fp4", "bf16", "fp32"]
 
@@ -33,10 +35,14 @@ class Linear(nnx.Module):
     bf16 / fp32: weight [*stack, out, in], no scale.
     `stack` adds leading axes (e.g. the routed experts [E, ...]); `__call__` then expects the
     caller to have selected one slice (see `weights_for`).
+    `kernels` / `kernels_interpret` (the ModelArgs fields): the fp8 matmul's implementation
+    ("auto": the Pallas kernel on a GPU for few rows, XLA otherwise; pallas_kernels/fp8_matmul).
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: WeightDtype = "fp8", stack: tuple[int, ...] = ()):
+    def __init__(self, in_features: int, out_features: int, dtype: WeightDtype = "fp8", stack: tuple[int, ...] = (),
+                 *, kernels: str = "reference", kernels_interpret: bool = False):
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.kernels, self.kernels_interpret = kernels, kernels_interpret
         stack = tuple(stack)
         if dtype == "fp8":
             self.weight = nnx.Param(jnp.zeros((*stack, out_features, in_features), jnp.float8_e4m3fn))
@@ -55,16 +61,21 @@ class Linear(nnx.Module):
             raise ValueError(f"Linear dtype must be fp8/fp4/bf16/fp32, got {dtype!r}")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return apply_linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.dtype)
+        return apply_linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.dtype,
+                            kernels=self.kernels, interpret=self.kernels_interpret)
 
 
-def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightDtype) -> jax.Array:
+def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightDtype, *,
+                 kernels: str = "reference", interpret: bool = False) -> jax.Array:
     """The reference's dispatch on the weight dtype.
 
-    fp8/fp4: activation quantised to e4m3 per 32 along K, block-scaled matmul, bf16 out.
+    fp8/fp4: activation quantised to e4m3 per 32 along K, block-scaled matmul, bf16 out (fp8:
+    through `pallas_kernels.fp8_matmul.linear` unless `kernels` is "reference").
     bf16/fp32: plain x @ W^T in the promoted dtype of (x, W), fp32 accumulation.
     """
     if dtype == "fp8":
+        if kernels != "reference" and w.ndim == 2:
+            return fp8_matmul.linear(x, w, s, implementation=kernels, interpret=interpret)
         return quant.linear_fp8(x, w, s)
     if dtype == "fp4":
         return quant.linear_fp4(x, w, s)

@@ -121,11 +121,13 @@ class Expert(nnx.Module):
     """One SwiGLU FFN (SPEC §6.2) -- the shared expert. w1, w3: [inter, dim]; w2: [dim, inter];
     each a `Linear` of `dtype` (fp8 in the release)."""
 
-    def __init__(self, dim: int, inter_dim: int, dtype: WeightDtype = "fp8", swiglu_limit: float = 0.0):
+    def __init__(self, dim: int, inter_dim: int, dtype: WeightDtype = "fp8", swiglu_limit: float = 0.0, *,
+                 kernels: str = "reference", kernels_interpret: bool = False):
         self.swiglu_limit = swiglu_limit
-        self.w1 = Linear(dim, inter_dim, dtype)
-        self.w2 = Linear(inter_dim, dim, dtype)
-        self.w3 = Linear(dim, inter_dim, dtype)
+        kern = {"kernels": kernels, "kernels_interpret": kernels_interpret}  # the fp8 matmul's (layers.Linear)
+        self.w1 = Linear(dim, inter_dim, dtype, **kern)
+        self.w2 = Linear(inter_dim, dim, dtype, **kern)
+        self.w3 = Linear(dim, inter_dim, dtype, **kern)
 
     def __call__(self, x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
         """x [..., dim] bf16, weights [..., 1] f32 or None -> bf16 [..., dim]."""
@@ -290,7 +292,8 @@ class MoE(nnx.Module):
         self.gate = Gate(layer_id, args)
         self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype,
                                kernels=args.kernels, kernels_interpret=args.kernels_interpret)
-        self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit)
+        self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit, kernels=args.kernels,
+                                     kernels_interpret=args.kernels_interpret)
 
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
         """x [b, s, dim] bf16, image_mask [b, s] bool or None.

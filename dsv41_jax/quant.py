@@ -352,9 +352,16 @@ def fp4_gemm(a: jax.Array, a_s: jax.Array, w: jax.Array, w_s: jax.Array) -> jax.
 # which the exact products are added in fp32 (and the single bf16 rounding at the end).
 
 
-def _linear_bf16(x: jax.Array, wd: jax.Array) -> jax.Array:
+@jax.jit
+def act_quant_bf16(x: jax.Array) -> jax.Array:
+    """The activation side of the fast linears: x [..., K] -> bf16 [..., K] = q * s of
+    `act_quant` (block 32), exact in bf16."""
     q, s = _act_quant_f32(x, BLOCK)
-    xq = (q * s[..., None]).reshape(x.shape).astype(jnp.bfloat16)
+    return (q * s[..., None]).reshape(x.shape).astype(jnp.bfloat16)
+
+
+def _linear_bf16(x: jax.Array, wd: jax.Array) -> jax.Array:
+    xq = act_quant_bf16(x)
     y = jax.lax.dot_general(
         xq, wd, (((x.ndim - 1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32
     )

@@ -1,0 +1,126 @@
+"""fp8 linear benchmark: the dense fp8 matmul kernel (pallas_kernels/fp8_matmul) against XLA's
+path (widen the weight to bf16, then dot) at the released layer's fp8 projections.
+
+    python -m benchmarks.fp8_linear [--rows 1,8,64,256,1024] [--json PATH]
+
+Each row times the whole `linear()` (activation quantiser + matmul) on bf16 activations, with a
+fresh weight per unrolled call (so the weight comes from HBM, as in a decode step), and reports
+the bytes it must move (e4m3 weight + scales + activations in + bf16 out) as a fraction of the
+copy bandwidth measured in the same run, plus the fraction of outputs bit-identical to XLA's
+(the two differ only in fp32 summation order). "layer" rows add the seven projections of one
+decoder layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.kernels import HEADER, Row, _best, _fmt, _time, copy_bandwidth
+from dsv41_jax import quant
+from pallas_kernels.fp8_matmul import api
+
+# name -> (K, N): the fp8 projections of one released decoder layer (SPEC §5, §6)
+SHAPES = {
+    "attn.wq_a": (5120, 1280),
+    "attn.wq_b": (1280, 32768),
+    "attn.wkv": (5120, 512),
+    "attn.wo_b": (8192, 5120),
+    "indexer.wq_b": (1280, 4096),
+    "shared.w1 (= w3)": (5120, 2304),
+    "shared.w2": (2304, 5120),
+}
+COUNT = {"shared.w1 (= w3)": 2}  # w1 and w3 have the same shape
+
+
+def weights(k: int, n: int, seed: int):
+    """Random e4m3 bytes (NaN codes cleared) and e8m0 scale bytes 112..135, on the device."""
+    key = jax.random.key(seed)
+    b = jax.random.bits(key, (n, k), jnp.uint8)
+    b = jnp.where((b & 0x7F) == 0x7F, b ^ 0x40, b)
+    s = 112 + jax.random.randint(jax.random.fold_in(key, 1), (n // 32, k // 32), 0, 24).astype(jnp.uint8)
+    return (jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn), jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu))
+
+
+def linear_bytes(m: int, k: int, n: int) -> float:
+    return n * k + (n // 32) * (k // 32) + 2 * m * k + 2 * m * n
+
+
+def parse_variant(text: str) -> api.BlockSizes:
+    """"bn=64/bk=256/w=4/st=3/ks=2" -> BlockSizes (unnamed fields keep their defaults)."""
+    names = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "ks": "k_splits", "w": "num_warps",
+             "st": "num_stages"}
+    kw = {names[k]: int(v) for k, v in (p.split("=") for p in text.split("/") if p)}
+    return api.BlockSizes(**kw)
+
+
+def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: int = 8, reps: int = 10) -> list[Row]:
+    out = []
+    totals: dict[str, float] = {}
+    total_bytes = 0.0
+    for name, (k, n) in SHAPES.items():
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16) * 3
+        ws = [weights(k, n, 100 * i + 7) for i in range(inner)]
+        nbytes = linear_bytes(m, k, n)
+        total_bytes += COUNT.get(name, 1) * nbytes
+        want = quant.linear_fp8(x, *ws[0])
+        impls = [("xla", None)] + [(f"pallas ({d})", api.BlockSizes(decode=d, max_rows=1 << 30)) for d in decodes]
+        impls += [(f"pallas {v}", dataclasses.replace(parse_variant(v), max_rows=1 << 30)) for v in variants]
+        for label, bs in impls:
+            if bs is None:
+                fn = quant.linear_fp8
+            else:
+                def fn(x, w, s, bs=bs):
+                    return api.linear(x, w, s, implementation="pallas", block_sizes=bs)
+            try:
+                sec, dev = _time(fn, lambda i: (x, *ws[i % inner]), inner=inner, reps=reps)
+                got = fn(x, *ws[0])
+                same = float(np.mean(np.asarray(got).view(np.uint16) == np.asarray(want).view(np.uint16)))
+                t = _best(sec, dev)
+                r = None if bs is None else bs.resolved(m, n, k)
+                note = "" if r is None else f"tiles m{r.block_m} n{r.block_n} k{r.block_k}, {r.k_splits} K splits"
+                out.append(Row("fp8 linear " + name, f"M={m} K={k} N={n}", label, sec * 1e6, dev * 1e6, nbytes,
+                               nbytes / t / copy_bw, f"{same:.4f} bit-identical to xla", note))
+                totals[label] = totals.get(label, 0.0) + COUNT.get(name, 1) * t
+            except Exception as e:  # noqa: BLE001 (a failing row is a result)
+                out.append(Row("fp8 linear " + name, f"M={m}", label, float("nan"), float("nan"), nbytes, 0,
+                               note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
+            print(_fmt(out[-1]), flush=True)
+    for label, t in totals.items():
+        out.append(Row("fp8 linear layer (8 projections)", f"M={m}", label, t * 1e6, t * 1e6, total_bytes,
+                       total_bytes / t / copy_bw))
+        print(_fmt(out[-1]), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8,64,256,1024", help="activation rows M (comma list)")
+    p.add_argument("--decodes", default="native,bits", help="kernel decodes timed (comma list)")
+    p.add_argument("--variants", default="", help="kernel tiles also timed, comma list of bn=64/bk=256/w=4/st=3")
+    p.add_argument("--json", default=None, help="write the rows here")
+    a = p.parse_args(argv)
+    dev = jax.devices()[0]
+    print(f"# device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    copy_bw = copy_bandwidth()
+    print(f"# copy bandwidth (read + write of 2 GiB): {copy_bw / 1e12:.2f} TB/s", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+    for m in (int(v) for v in a.rows.split(",")):
+        rows += rows_for(m, copy_bw, decodes=tuple(d for d in a.decodes.split(",") if d),
+                         variants=tuple(v for v in a.variants.split(",") if v))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": dev.device_kind, "copy_bw": copy_bw, "rows": [dataclasses.asdict(r) for r in rows]},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

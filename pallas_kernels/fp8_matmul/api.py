@@ -1,0 +1,139 @@
+"""Dispatch for the dense fp8 matmul (SPEC §3, §13: the reference's `linear()` with an e4m3 weight
+and e8m0 scales per 32 x 32 block).
+
+`fp8_matmul(x [M, K], w, s)` multiplies act-quantised bf16 rows by the block-scaled matrix;
+`linear(x [..., K], w, s)` is the whole `linear()` (activation quantiser, then the matmul).
+`implementation`: "reference" (jnp: widen the weight to bf16, then dot; reference.py), "pallas"
+(kernel_gpu: read e4m3 + scales, widen inside the kernel), "auto" (the kernel on a GPU, the
+reference on CPU; pallas_kernels/_dispatch.py). The kernel serves few rows (decode), where the
+matmul streams the weight and XLA's widened copy would triple the bytes; above
+`BlockSizes.max_rows` rows (prefill) the weight is reused across rows and XLA's GEMM runs.
+A shape the kernel does not handle falls back to the reference with a logged warning; a TPU
+falls back the same way (no TPU kernel yet). Both give the same exact products with fp32
+accumulation and one bf16 rounding; they may differ only in the order the products are summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import quant
+from dsv41_jax.numerics import to_bf16
+from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels.fp8_matmul import kernel_gpu
+from pallas_kernels.fp8_matmul import reference as _ref
+
+logger = logging.getLogger(__name__)
+
+Implementation = Literal["auto", "reference", "pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles of the GPU kernel; None picks a default from the row count.
+
+    block_m: rows per program (power of 2 >= 16). block_n: output columns per program (power of
+    2 >= 32 dividing N). block_k: reduction step (power of 2 >= 32 dividing K).
+    k_splits: programs sharing one output block's K range (their fp32 partials are then added);
+      None picks the fewest that give `target_programs` programs.
+    num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
+    max_rows: above this many rows `linear` (and "auto") uses XLA's GEMM instead of the kernel.
+    """
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    k_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    decode: str = "native"
+    max_rows: int = 64
+    target_programs: int = 264  # two per SM of an H100/H200
+
+    def resolved(self, m: int, n: int, k: int) -> BlockSizes:
+        block_m = self.block_m or min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
+        block_n = self.block_n or _fit(64, n, kernel_gpu.QBLOCK)
+        block_k = self.block_k or _fit(256 if block_m <= 64 else 128, k, kernel_gpu.QBLOCK)
+        k_splits = self.k_splits
+        if k_splits is None:
+            programs = -(-m // block_m) * max(n // block_n, 1)
+            k_blocks = max(k // block_k, 1)
+            divisors = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0]
+            k_splits = next((d for d in divisors if programs * d >= self.target_programs), divisors[-1])
+        return dataclasses.replace(self, block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
+
+
+def _fit(block: int, size: int, smallest: int) -> int:
+    while block > smallest and size % block:
+        block //= 2
+    return block
+
+
+def _validate(x, w, s):
+    if x.ndim != 2:
+        raise ValueError(f"fp8_matmul: x must be [rows, K], got {x.shape=}")
+    if w.ndim != 2 or w.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_matmul: w must be e4m3 [N, K], got {w.shape=} {w.dtype=}")
+    n, k = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"fp8_matmul: x has K={x.shape[1]}, w has K={k}")
+    want = (-(-n // kernel_gpu.QBLOCK), -(-k // kernel_gpu.QBLOCK))
+    if s.shape != want:
+        raise ValueError(f"fp8_matmul: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
+
+
+def _kernel_or_none(x, w, s, implementation, interpret, block_sizes):
+    """The kernel's output, or None when the reference must run (CPU / TPU / unsupported shape)."""
+    use_kernel, target = _resolve(implementation, None, interpret)
+    if not use_kernel:
+        return None
+    if target != "gpu":
+        logger.warning("fp8_matmul: no %s kernel; using the reference", target)
+        return None
+    m, k = x.shape
+    bs = (block_sizes or BlockSizes()).resolved(m, w.shape[0], k)
+    try:
+        out = kernel_gpu.fp8_matmul(x.astype(jnp.bfloat16), w, s, block_m=bs.block_m, block_n=bs.block_n,
+                                    block_k=bs.block_k, k_splits=bs.k_splits, num_warps=bs.num_warps,
+                                    num_stages=bs.num_stages, decode=bs.decode, interpret=interpret)
+    except NotImplementedError as e:
+        logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
+        return None
+    return to_bf16(jnp.sum(out, axis=0)) if bs.k_splits > 1 else out
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
+def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implementation = "auto",
+               interpret: bool = False, block_sizes: BlockSizes | None = None) -> jax.Array:
+    """x bf16 [M, K] (act-quantised rows: `quant.act_quant_bf16`), w e4m3 [N, K],
+    s e8m0 [ceil(N/32), ceil(K/32)] -> bf16 [M, N] = x @ dequant(w)^T, fp32 accumulation, one
+    bf16 rounding."""
+    _validate(x, w, s)
+    out = _kernel_or_none(x, w, s, implementation, interpret, block_sizes)
+    return _ref.fp8_matmul(x, w, s) if out is None else out
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
+def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implementation = "auto",
+           interpret: bool = False, block_sizes: BlockSizes | None = None) -> jax.Array:
+    """The fp8 `linear()`: x [..., K] (bf16/fp32), w e4m3 [N, K], s e8m0 -> bf16 [..., N].
+
+    act_quant(x) (e4m3 per 32, power-of-two scales; exact in bf16), then the kernel for up to
+    `max_rows` rows, else (or on the reference path) `quant.linear_fp8` (XLA)."""
+    rows = math.prod(x.shape[:-1])
+    bs = block_sizes or BlockSizes()
+    use_kernel, _ = _resolve(implementation, None, interpret)
+    if not use_kernel or rows == 0 or rows > bs.max_rows:
+        return quant.linear_fp8(x, w, s)
+    xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
+    _validate(xq, w, s)
+    out = _kernel_or_none(xq, w, s, implementation, interpret, bs)
+    if out is None:
+        return quant.linear_fp8(x, w, s)
+    return out.reshape(*x.shape[:-1], w.shape[0])
