@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.layers import Linear
@@ -206,3 +207,34 @@ def test_model_linear_takes_the_kernel_choice():
         outs[kernels] = np.asarray(lin(x))
     np.testing.assert_array_equal(outs["reference"], np.asarray(quant.linear_fp8(x, w, s)))
     assert np.mean(ulps(outs["pallas"], outs["reference"]) == 0) >= 0.97
+
+
+def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
+    """Every fp8 projection of the model takes `ModelArgs.kernels`; with kernels="pallas"
+    (interpret) the 2-row golden decode step runs the fp8 kernel and its logits equal the
+    reference path's (measured: bit-identical on the first golden set's first step on CPU; the
+    two differ only in summation order, which at these sizes changes no rounding)."""
+    from conftest import GOLDEN_DIRS
+
+    from dsv41_jax import parity
+    from dsv41_jax.parity import GoldenSet
+
+    gs = GoldenSet(GOLDEN_DIRS[0])
+    model = parity.load_model(gs, kernels="pallas", kernels_interpret=True)
+    fp8 = [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear) and m.dtype == "fp8" and m.weight.ndim == 2]
+    assert fp8 and all(m.kernels == "pallas" and m.kernels_interpret for m in fp8)
+    calls = []
+    original = kernel_gpu.fp8_matmul
+    monkeypatch.setattr(kernel_gpu, "fp8_matmul", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    jax.clear_caches()
+    cache = parity.teacher_forced_cache(parity.load_model(gs), gs)
+
+    def first_step(m):
+        ids = jnp.asarray(gs["decode.input"][0], jnp.int32)
+        logits, _ = m.decode_step(ids, jnp.full(ids.shape, int(gs["decode.start_pos"][0]), jnp.int32), cache)
+        return np.asarray(logits, np.float32)
+
+    got = first_step(model)
+    assert calls and all(shape[0] <= api.BlockSizes().max_rows for shape in calls)
+    want = first_step(parity.load_model(gs))
+    np.testing.assert_array_equal(got, want)
