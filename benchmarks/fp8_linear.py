@@ -79,7 +79,7 @@ def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: in
                 def fn(x, w, s, bs=bs):
                     return api.linear(x, w, s, implementation="pallas", block_sizes=bs)
             try:
-                sec, dev = _time(fn, lambda i: (x, *ws[i % inner]), inner=inner, reps=reps)
+                sec, dev = _time(fn, lambda i, x=x, ws=ws: (x, *ws[i % inner]), inner=inner, reps=reps)
                 got = fn(x, *ws[0])
                 same = float(np.mean(np.asarray(got).view(np.uint16) == np.asarray(want).view(np.uint16)))
                 t = _best(sec, dev)

@@ -134,7 +134,7 @@ def test_bit_decode_of_every_e4m3_code():
 def test_kernel_lowers_to_triton_for_cuda(decode, k_splits):
     """The Pallas -> Triton lowering runs without a GPU (cross-platform lowering)."""
     x, w, s, _, _ = make(np.random.default_rng(0), 8, 256, 2048)
-    f = lambda x, w, s: kernel_gpu.fp8_matmul(  # noqa: E731
+    f = lambda x, w, s: kernel_gpu.fp8_matmul(
         x, w, s, block_m=16, block_n=64, block_k=256, k_splits=k_splits, num_warps=4, num_stages=3, decode=decode,
         interpret=False)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()

@@ -25,11 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
-
-
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2
 
 
 def _e2m1_f32(code: jax.Array) -> jax.Array:
@@ -42,11 +38,6 @@ def _e2m1_f32(code: jax.Array) -> jax.Array:
     bits = bits | ((code & 8) << 28)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
-
-def _e8m0_f32(b: jax.Array) -> jax.Array:
-    """int32 bytes 0..255 -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
-    bits = jnp.where(b == 0, jnp.int32(1 << 22), jnp.where(b == 255, jnp.int32(0x7FC00000), b << 23))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _e2m1_subnormal_f32(words: jax.Array, j: int) -> jax.Array:
@@ -80,7 +71,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
             words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
             sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
             # word c of the block holds K columns 8c .. 8c+7, all in scale group c // 4
-            sf = jnp.broadcast_to(_e8m0_f32(sb)[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
+            sf = jnp.broadcast_to(e8m0_f32(sb)[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
             for j in range(8):  # code j of every word: K columns 8c + j, x columns j*kw + c
                 v = _e2m1_subnormal_f32(words, j) if subnormal_decode else _e2m1_f32((words >> (4 * j)) & 0xF)
                 wj = (v * sf).astype(jnp.bfloat16)  # [bn, kw], exact
@@ -111,17 +102,17 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     n_exp, n, k2 = w.shape
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
-    if not _pow2(rows) or rows < 16:
+    if not is_pow2(rows) or rows < 16:
         raise NotImplementedError(f"rows per tile must be a power of 2 >= 16 for tensor-core tiles, got {rows=}")
-    if not _pow2(block_n) or block_n < 16 or n % block_n:
+    if not is_pow2(block_n) or block_n < 16 or n % block_n:
         raise NotImplementedError(f"block_n must be a power of 2 >= 16 dividing {n=}, got {block_n=}")
-    if not _pow2(block_k) or block_k < 128 or k % block_k:
+    if not is_pow2(block_k) or block_k < 128 or k % block_k:
         raise NotImplementedError(f"block_k must be a power of 2 >= 128 dividing {k=}, got {block_k=}")
     if max(n_exp * n * (k // 8), m * max(k, n)) >= 2**31:
         raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
     smem = num_stages * (rows * block_k * 2 + block_n * block_k // 2 + block_n * block_k // 32)
-    if smem > _SMEM_LIMIT:
-        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
+    if smem > SMEM_LIMIT:
+        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({rows=}, {block_n=}, {block_k=}, {num_stages=})")
     if s.dtype != jnp.uint8:
         s = jax.lax.bitcast_convert_type(s, jnp.uint8)
@@ -132,7 +123,7 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     t = tile_expert.shape[0]
     kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
                                subnormal_decode=subnormal_decode)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731 (raw pointers)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),

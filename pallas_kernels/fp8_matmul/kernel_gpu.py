@@ -31,18 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
+from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2
+
 QBLOCK = 32  # weight scale block (rows and columns)
-
-
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def _e8m0_f32(b: jax.Array) -> jax.Array:
-    """int32 bytes 0..255 -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
-    bits = jnp.where(b == 0, jnp.int32(1 << 22), jnp.where(b == 255, jnp.int32(0x7FC00000), b << 23))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
@@ -72,7 +63,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_m: int, block_n: int, b
         xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(kb * block_k, block_k)], mask=rows < m, other=0.0)
         wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
         sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
-        sf = jnp.broadcast_to(_e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
+        sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
         wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
         wv = (wf * sf).astype(jnp.bfloat16)  # exact
         return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
@@ -101,11 +92,11 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
         raise NotImplementedError(f"e4m3 weights only, got {w.dtype=}")
     if decode not in ("native", "bits"):
         raise NotImplementedError(f"decode must be 'native' or 'bits', got {decode=}")
-    if not _pow2(block_m) or block_m < 16:
+    if not is_pow2(block_m) or block_m < 16:
         raise NotImplementedError(f"block_m must be a power of 2 >= 16 for tensor-core tiles, got {block_m=}")
-    if not _pow2(block_n) or block_n < QBLOCK or n % block_n:
+    if not is_pow2(block_n) or block_n < QBLOCK or n % block_n:
         raise NotImplementedError(f"block_n must be a power of 2 >= {QBLOCK} dividing {n=}, got {block_n=}")
-    if not _pow2(block_k) or block_k < QBLOCK or k % block_k:
+    if not is_pow2(block_k) or block_k < QBLOCK or k % block_k:
         raise NotImplementedError(f"block_k must be a power of 2 >= {QBLOCK} dividing {k=}, got {block_k=}")
     if k_splits < 1 or (k // block_k) % k_splits:
         raise NotImplementedError(f"k_splits={k_splits} must divide the {k // block_k} K blocks")
@@ -114,8 +105,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
     if max(n * k, m * max(k, n) * k_splits) >= 2**31:
         raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
     smem = num_stages * (block_m * block_k * 2 + block_n * block_k + sn_bytes(block_n, block_k))
-    if smem > _SMEM_LIMIT:
-        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
+    if smem > SMEM_LIMIT:
+        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({block_m=}, {block_n=}, {block_k=}, {num_stages=})")
     if s.dtype != jnp.uint8:
         s = jax.lax.bitcast_convert_type(s, jnp.uint8)
@@ -126,7 +117,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
                                k_steps=k // block_k // k_splits, decode=decode, split=split)
     out_shape = (jax.ShapeDtypeStruct((k_splits, m, n), jnp.float32) if split
                  else jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))  # noqa: E731 (raw pointers)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,

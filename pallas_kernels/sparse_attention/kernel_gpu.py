@@ -30,11 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
-
-
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+from pallas_kernels._triton import SMEM_LIMIT, is_pow2
 
 
 def _div_rn(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
@@ -123,25 +119,25 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
     n, k = kv.shape[1], idx.shape[-1]
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
         raise NotImplementedError(f"bf16 q and kv only, got {q.dtype=} {kv.dtype=}")
-    if not _pow2(d) or d < 16:
+    if not is_pow2(d) or d < 16:
         raise NotImplementedError(f"head_dim must be a power of 2 >= 16 for Triton tiles, got {d=}")
-    if not _pow2(block_d) or block_d < 16 or d % block_d:
+    if not is_pow2(block_d) or block_d < 16 or d % block_d:
         raise NotImplementedError(f"block_d must be a power of 2 >= 16 dividing {d=}, got {block_d=}")
-    if not _pow2(block_k) or block_k < 16:
+    if not is_pow2(block_k) or block_k < 16:
         raise NotImplementedError(f"block_k must be a power of 2 >= 16, got {block_k=}")
     if n == 0 or k == 0 or b * m == 0:
         raise NotImplementedError(f"empty operand ({n=}, {k=}, rows={b * m})")
     # heads: tensor-core tiles need >= 16 rows and a power of 2; padded heads are dropped after
     hp = max(16, pl.next_power_of_2(h))
     block_h = min(block_h, hp)
-    if not _pow2(block_h) or block_h < 16:
+    if not is_pow2(block_h) or block_h < 16:
         raise NotImplementedError(f"block_h must be a power of 2 >= 16, got {block_h=}")
     # shared memory: the q tile, plus num_stages buffers of the gathered [block_k, d] rows (and of
     # the [block_k, block_d] value slice when it is loaded separately); Hopper allows 227 KiB a block
     cols = d + (block_d if block_d < d else 0)
     smem = 2 * (block_h * d + num_stages * block_k * cols) + 4096
-    if smem > _SMEM_LIMIT:
-        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {_SMEM_LIMIT} "
+    if smem > SMEM_LIMIT:
+        raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({block_h=}, {d=}, {block_k=}, {block_d=}, {num_stages=})")
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
