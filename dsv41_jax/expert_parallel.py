@@ -63,9 +63,12 @@ expert=4,data=2 2.7 / 3.3 (one device 3.2); 512 tokens: 9.9 / 9.5 and 8.0 / 6.3 
 tokens: 67 / 18.5 and 23.6 / 15.7 (30.7).
 
 Local compute (both patterns): `Experts.grouped`, the single-device grouped path, over the local
-experts: the device's pairs sorted by local expert id and cut into tiles of `MoE.tile_rows` rows
-of one expert each, a local expert's packed bytes read once per tile it fills and never when no
-pair picked it. (The fp4 Pallas kernel of the single-device paths is not used here yet.)
+experts: the device's pairs sorted by local expert id and cut into tiles of one expert each, a
+local expert's packed bytes read once per tile it fills and never when no pair picked it; with
+the fp4 kernel (`ModelArgs.kernels`, as on one device) the tiles go through
+`expert_matmul.grouped_matmul` inside the shard_map, otherwise the jnp scan over tiles of
+`MoE.tile_rows` rows. (Checked in Pallas interpret mode on 8 CPU devices; not yet run on several
+GPUs.)
 
 Mesh discovery (the contract with `MoE.__call__`): `active_expert_mesh()` reads
 `jax.sharding.get_abstract_mesh()`, which `jax.set_mesh(mesh)` sets, in jax 0.10.2 and 0.11.2

@@ -198,17 +198,22 @@ class Experts(nnx.Module):
 
     def grouped(self, x: jax.Array, src: jax.Array, weights: jax.Array, e: jax.Array, n_e: int,
                 tile_rows: int) -> jax.Array:
-        """(token, expert) pairs through their experts, in tiles of one expert each (the jnp
-        grouped path). Pair p takes row x[src[p]] (x bf16 [*, dim], already `_quantise_input`-ed),
+        """(token, expert) pairs through their experts, in tiles of one expert each (the grouped
+        path). Pair p takes row x[src[p]] (x bf16 [*, dim], already `_quantise_input`-ed),
         routing weight weights[p] (f32 [R]) and expert e[p] in [0, n_e) of this module's stack
         (n_e: the stacked experts, local ones under expert parallelism), or e[p] = n_e for a pair
         computed elsewhere, whose output is 0. Returns bf16 [R, dim] in pair order.
 
-        Pairs are sorted by expert (tokens ascending within) and cut into tiles of
-        min(tile_rows, R) rows (`expert_matmul.grouped_tiles`); a `lax.scan` over the tiles
-        dequantises one expert's three matrices per tile (`dense`) and runs `ffn` on its rows,
-        skipping tiles no pair filled, so an expert's packed bytes are read once per tile it
-        fills and never when no pair picked it."""
+        Pairs are sorted by expert (tokens ascending within) and cut into tiles of one expert
+        (`expert_matmul.grouped_tiles`). With the fp4 kernel (`use_kernel`) every projection is one
+        `expert_matmul.grouped_matmul` over all tiles (16-row tiles while experts get few pairs
+        each, as in decode batches: each live tile reads a whole expert, so small tiles waste no
+        rows; 128 rows for prefill-sized batches). Otherwise tiles of min(tile_rows, R) rows and a
+        `lax.scan` that dequantises one expert's three matrices per tile (`dense`) and runs `ffn`
+        on its rows. Either way tiles no pair filled are skipped, so an expert's packed bytes are
+        read once per tile it fills and never when no pair picked it."""
+        if self.use_kernel():
+            return self._grouped_kernel(x, src, weights, e, n_e)
         r, dim = src.shape[0], x.shape[-1]
         c = min(tile_rows, r)
         order, ex, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
@@ -230,6 +235,24 @@ class Experts(nnx.Module):
 
         out_sorted, _ = jax.lax.scan(step, jnp.zeros((r + c, dim), _BF16), (ex, row0, valid))
         return jnp.zeros((r, dim), _BF16).at[order].set(out_sorted[:r])
+
+    def _grouped_kernel(self, x, src, weights, e, n_e):
+        """`grouped` through the fp4 kernel (same arguments and result)."""
+        r, dim = src.shape[0], x.shape[-1]
+        c = 16 if r <= 16 * n_e else 128
+        c = max(16, min(c, pl.next_power_of_2(r)))
+        order, te, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
+        x_sorted = jnp.concatenate([jnp.take(x, jnp.take(src, order), axis=0), jnp.zeros((c, dim), x.dtype)])
+        w_sorted = jnp.concatenate([jnp.take(weights, order), jnp.zeros((c,), _F32)])
+
+        def matmul(rows, lin):
+            return expert_matmul.grouped_matmul(rows, lin.weight[...], lin.scale[...], te, row0, valid, c,
+                                                implementation=self.kernels, interpret=self.kernels_interpret)
+
+        y = self.kernel_ffn(x_sorted, w_sorted, matmul)[:r]
+        # rows no live tile covers (pairs of another device's experts) are undefined on the kernel path
+        y = jnp.where((jnp.take(e, order) < n_e)[:, None], y, jnp.zeros_like(y))
+        return jnp.zeros((r, dim), _BF16).at[order].set(y)
 
     def apply_one(self, e: int, x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
         """Expert e alone, through the plain `linear()` dispatch (layers.apply_linear), exactly as
@@ -345,31 +368,8 @@ class MoE(nnx.Module):
         """-> bf16 [N*k, dim], pair p = token * k + slot."""
         n, k = indices.shape
         r, n_exp = n * k, self.n_experts
-        if self.experts.use_kernel():
-            return self._routed_grouped_kernel(xq, weights, indices)
         return self.experts.grouped(xq, jnp.arange(r, dtype=jnp.int32) // k, weights.reshape(-1),
                                     indices.reshape(-1), n_exp, self.tile_rows)
-
-    def _routed_grouped_kernel(self, xq, weights, indices):
-        """`_routed_grouped` through the fp4 kernel: pairs sorted by expert, tiles of one expert
-        read the packed weights once per (tile, N block). Tiles hold 16 rows while experts get
-        few pairs each (decode batches: each live tile reads a whole expert, so small tiles
-        waste no rows), 128 rows for prefill-sized batches (tensor-core-sized tiles)."""
-        n, k = indices.shape
-        r, ex = n * k, self.experts
-        c = 16 if r <= 16 * self.n_experts else 128
-        c = max(16, min(c, pl.next_power_of_2(r)))
-        order, te, row0, valid = expert_matmul.grouped_tiles(indices.reshape(-1), self.n_experts, c)
-        x_sorted = jnp.concatenate([jnp.take(xq, order // k, axis=0), jnp.zeros((c, self.dim), xq.dtype)])
-        w_sorted = jnp.concatenate([jnp.take(weights.reshape(-1), order), jnp.zeros((c,), _F32)])
-        interp = ex.kernels_interpret
-
-        def matmul(x, lin):
-            return expert_matmul.grouped_matmul(x, lin.weight[...], lin.scale[...], te, row0, valid, c,
-                                                implementation=ex.kernels, interpret=interp)
-
-        y = ex.kernel_ffn(x_sorted, w_sorted, matmul)
-        return jnp.zeros((r, self.dim), _BF16).at[order].set(y[:r])
 
 
 def combine(pair_out: jax.Array, indices: jax.Array, shared: jax.Array) -> jax.Array:
