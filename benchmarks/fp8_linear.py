@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import HEADER, Row, _best, _fmt, _time, copy_bandwidth
+from benchmarks.kernels import HEADER, Row, _best, _fmt, _time, copy_bandwidth, write_json
 from dsv41_jax import quant
 from pallas_kernels.fp8_matmul import api
 
@@ -116,9 +115,7 @@ def main(argv=None) -> int:
         rows += rows_for(m, copy_bw, decodes=tuple(d for d in a.decodes.split(",") if d),
                          variants=tuple(v for v in a.variants.split(",") if v))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": dev.device_kind, "copy_bw": copy_bw, "rows": [dataclasses.asdict(r) for r in rows]},
-                      f, indent=1)
+        write_json(a.json, dev.device_kind, copy_bw, rows)
     return 0
 
 

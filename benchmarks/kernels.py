@@ -345,6 +345,11 @@ def attention_rows(copy_bw, deadline, configs, batches=(1, 8, 64), contexts=(409
     return rows
 
 
+def write_json(path: str, device: str, copy_bw: float, rows: list[Row]) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": device, "copy_bw": copy_bw, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
 def _fmt(r: Row) -> str:
     return (f"| {r.site} | {r.shape} | {r.impl} | {r.us:.1f} | {r.dev_us:.1f} | {r.bytes / 1e6:.3f} "
             f"| {100 * r.bw_frac:.1f}% | {r.err} | {r.note} |")
@@ -399,9 +404,7 @@ def main(argv=None) -> int:
         if not r.site.startswith("sweep"):
             print(_fmt(r))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": dev.device_kind, "copy_bw": copy_bw, "rows": [dataclasses.asdict(r) for r in rows]},
-                      f, indent=1)
+        write_json(a.json, dev.device_kind, copy_bw, rows)
     return 0
 
 

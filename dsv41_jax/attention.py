@@ -32,7 +32,7 @@ from flax import nnx
 from dsv41_jax import quant
 from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, update_window, write_row, write_rows
 from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
-from dsv41_jax.layers import Linear, RMSNorm, apply_rope, rope_angles, rope_freqs
+from dsv41_jax.layers import Linear, RMSNorm, apply_rope, linear_kernels, rope_angles, rope_freqs
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels.sparse_attention.api import sparse_attn
 
@@ -65,11 +65,6 @@ def _rope_at(freqs: np.ndarray, positions: jax.Array) -> tuple[jax.Array, jax.Ar
 def _linear_dtype(args: ModelArgs) -> str:
     """Storage of the projections that the reference creates with its default dtype."""
     return "fp8" if args.dtype == "fp8" else "bf16"
-
-
-def _kernels(args: ModelArgs) -> dict:
-    """The kernel choice an fp8 `Linear` takes from the config."""
-    return {"kernels": args.kernels, "kernels_interpret": args.kernels_interpret}
 
 
 def _require(shared: dict, key: str, layer_id: int) -> jax.Array:
@@ -357,7 +352,7 @@ class Indexer(nnx.Module):
         self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
         # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **_kernels(args))
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **linear_kernels(args))
         self.weights_proj = Linear(args.dim, self.n_heads, "bf16")
         if self.owns_k:
             self.wk = Linear(args.head_dim, self.head_dim, "bf16")
@@ -508,7 +503,7 @@ class Attention(nnx.Module):
         hd_all = self.n_heads * self.head_dim
 
         self.attn_sink = nnx.Param(jnp.zeros((self.n_heads,), _F32))
-        kern = _kernels(args)
+        kern = linear_kernels(args)
         self.wq_a = Linear(args.dim, args.q_lora_rank, lin, **kern)
         self.q_norm = RMSNorm(args.q_lora_rank, eps)
         self.wq_b = Linear(args.q_lora_rank, hd_all, lin, **kern)

@@ -33,7 +33,7 @@ from flax import nnx
 from dsv41_jax.numerics import cast
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ConfigError, ModelArgs
-from dsv41_jax.layers import Linear
+from dsv41_jax.layers import Linear, linear_kernels
 
 # Compressed id the history cache holds for tokens that take no part in n-grams (image spans).
 DEAD = -1
@@ -379,7 +379,7 @@ class Engram(nnx.Module):
         rows = args.engram_num_embeddings[table]
         self.embed = EngramEmbedding(rows, args.engram_head_dim, stored_table_rows(rows, args.engram_rows_multiple))
         self.wkv = Linear(args.n_hash_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, "fp8",
-                          kernels=args.kernels, kernels_interpret=args.kernels_interpret)
+                          **linear_kernels(args))
         self.q_weight = nnx.Param(jnp.ones((args.hc_mult, args.dim), jnp.bfloat16))
         self.k_weight = nnx.Param(jnp.ones((args.hc_mult, args.dim), jnp.bfloat16))
 

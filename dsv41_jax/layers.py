@@ -65,6 +65,11 @@ class Linear(nnx.Module):
                             kernels=self.kernels, interpret=self.kernels_interpret)
 
 
+def linear_kernels(args) -> dict:
+    """The kernel choice of an fp8 `Linear`, from a ModelArgs (`kernels`, `kernels_interpret`)."""
+    return {"kernels": args.kernels, "kernels_interpret": args.kernels_interpret}
+
+
 def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightDtype, *,
                  kernels: str = "reference", interpret: bool = False) -> jax.Array:
     """The reference's dispatch on the weight dtype.

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.layers import Linear, WeightDtype, apply_linear
+from dsv41_jax.layers import Linear, WeightDtype, apply_linear, linear_kernels
 from dsv41_jax.numerics import cast, exact_div
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
@@ -152,6 +152,13 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return cast(y, _BF16)
 
 
+def _sorted_rows(x, src, weights, order, c):
+    """The pairs' rows x[src] and routing weights in `order` (expert-sorted), plus c zero rows for
+    the last tile to read past: (bf16 [R + c, dim], f32 [R + c])."""
+    xs = jnp.concatenate([jnp.take(x, jnp.take(src, order), axis=0), jnp.zeros((c, x.shape[-1]), x.dtype)])
+    return xs, jnp.concatenate([jnp.take(weights, order), jnp.zeros((c,), _F32)])
+
+
 class Experts(nnx.Module):
     """The routed experts, stacked: w1 / w3 weight [E, inter, dim(/2)], w2 [E, dim, inter(/2)].
 
@@ -217,8 +224,7 @@ class Experts(nnx.Module):
         r, dim = src.shape[0], x.shape[-1]
         c = min(tile_rows, r)
         order, ex, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
-        x_sorted = jnp.concatenate([jnp.take(x, jnp.take(src, order), axis=0), jnp.zeros((c, dim), x.dtype)])
-        w_sorted = jnp.concatenate([jnp.take(weights, order), jnp.zeros((c,), _F32)])
+        x_sorted, w_sorted = _sorted_rows(x, src, weights, order, c)
 
         def run(out, e_t, row0_t, valid_t):
             w1, w3, w2 = self.dense(e_t)
@@ -242,8 +248,7 @@ class Experts(nnx.Module):
         c = 16 if r <= 16 * n_e else 128
         c = max(16, min(c, pl.next_power_of_2(r)))
         order, te, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
-        x_sorted = jnp.concatenate([jnp.take(x, jnp.take(src, order), axis=0), jnp.zeros((c, dim), x.dtype)])
-        w_sorted = jnp.concatenate([jnp.take(weights, order), jnp.zeros((c,), _F32)])
+        x_sorted, w_sorted = _sorted_rows(x, src, weights, order, c)
 
         def matmul(rows, lin):
             return expert_matmul.grouped_matmul(rows, lin.weight[...], lin.scale[...], te, row0, valid, c,
@@ -314,9 +319,8 @@ class MoE(nnx.Module):
         expert_dtype: WeightDtype = "fp4" if args.expert_dtype == "fp4" else plain
         self.gate = Gate(layer_id, args)
         self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype,
-                               kernels=args.kernels, kernels_interpret=args.kernels_interpret)
-        self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit, kernels=args.kernels,
-                                     kernels_interpret=args.kernels_interpret)
+                               **linear_kernels(args))
+        self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit, **linear_kernels(args))
 
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
         """x [b, s, dim] bf16, image_mask [b, s] bool or None.

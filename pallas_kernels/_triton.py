@@ -12,6 +12,14 @@ def is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
+def fit_block(block: int, size: int, smallest: int) -> int:
+    """The largest of block, block / 2, ... down to `smallest` that divides `size` (else `smallest`;
+    the kernel then rejects the shape)."""
+    while block > smallest and size % block:
+        block //= 2
+    return block
+
+
 def e8m0_f32(b: jax.Array) -> jax.Array:
     """int32 e8m0 bytes 0..255 -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN (as
     `dsv41_jax.quant.e8m0_to_f32`), built from the exponent bits inside a kernel."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels._triton import fit_block
 from pallas_kernels.expert_matmul import kernel_gpu
 from pallas_kernels.expert_matmul import reference as _ref
 
@@ -54,16 +55,10 @@ class BlockSizes:
         # few rows: the program streams weight bytes, so a narrow N block gives more programs to
         # fill the SMs and a long K step keeps loads wide; many rows: square-ish MMA tiles.
         # Defaults halve until they divide the shape (the kernel rejects what still does not).
-        block_n = self.block_n or _fit(64 if rows <= 16 else 128, n, 16)
-        block_k = self.block_k or _fit(256 if rows <= 16 else 128, k, 128)
+        block_n = self.block_n or fit_block(64 if rows <= 16 else 128, n, 16)
+        block_k = self.block_k or fit_block(256 if rows <= 16 else 128, k, 128)
         sub = (not interpret) if self.subnormal_decode is None else self.subnormal_decode
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, subnormal_decode=sub)
-
-
-def _fit(block: int, size: int, smallest: int) -> int:
-    while block > smallest and size % block:
-        block //= 2
-    return block
 
 
 def _validate(x, w, s, what: str):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from dsv41_jax import quant
 from dsv41_jax.numerics import to_bf16
 from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels._triton import fit_block
 from pallas_kernels.fp8_matmul import kernel_gpu
 from pallas_kernels.fp8_matmul import reference as _ref
 
@@ -59,8 +60,8 @@ class BlockSizes:
 
     def resolved(self, m: int, n: int, k: int) -> BlockSizes:
         block_m = self.block_m or min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
-        block_n = self.block_n or _fit(64, n, kernel_gpu.QBLOCK)
-        block_k = self.block_k or _fit(256 if block_m <= 64 else 128, k, kernel_gpu.QBLOCK)
+        block_n = self.block_n or fit_block(64, n, kernel_gpu.QBLOCK)
+        block_k = self.block_k or fit_block(256 if block_m <= 64 else 128, k, kernel_gpu.QBLOCK)
         k_splits = self.k_splits
         if k_splits is None:
             programs = -(-m // block_m) * max(n // block_n, 1)
@@ -68,12 +69,6 @@ class BlockSizes:
             divisors = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0]
             k_splits = next((d for d in divisors if programs * d >= self.target_programs), divisors[-1])
         return dataclasses.replace(self, block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
-
-
-def _fit(block: int, size: int, smallest: int) -> int:
-    while block > smallest and size % block:
-        block //= 2
-    return block
 
 
 def _validate(x, w, s):

@@ -104,7 +104,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
         raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
     if max(n * k, m * max(k, n) * k_splits) >= 2**31:
         raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
-    smem = num_stages * (block_m * block_k * 2 + block_n * block_k + sn_bytes(block_n, block_k))
+    smem = num_stages * (block_m * block_k * 2 + block_n * block_k + (block_n // QBLOCK) * (block_k // QBLOCK))
     if smem > SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({block_m=}, {block_n=}, {block_k=}, {num_stages=})")
@@ -128,8 +128,3 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_matmul",
     )(x, w, s)
-
-
-def sn_bytes(block_n: int, block_k: int) -> int:
-    """Scale bytes of one weight tile."""
-    return (block_n // QBLOCK) * (block_k // QBLOCK)
