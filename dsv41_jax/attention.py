@@ -478,6 +478,19 @@ class Indexer(nnx.Module):
 # ---------------------------------------------------------------------------------- attention
 
 
+def resolve_attn_accumulate(choice: str) -> str:
+    """`ModelArgs.attn_accumulate` -> `sparse_attn`'s `accumulate`: "auto" is "f64" (the golden
+    oracle's rounding) except on TPU, which has no float64 ("f32"); "f64" / "f32" pass through."""
+    tpu = jax.default_backend() == "tpu"
+    if choice == "auto":
+        return "f32" if tpu else "f64"
+    if choice not in ("f64", "f32"):
+        raise ValueError(f"attn_accumulate must be 'auto', 'f64' or 'f32', got {choice!r}")
+    if choice == "f64" and tpu:
+        raise ValueError("attn_accumulate='f64' needs float64, which TPUs do not have: use 'f32' or 'auto'")
+    return choice
+
+
 class Attention(nnx.Module):
     """One layer's attention (SPEC §5). Parameters as the reference names them:
     wq_a [q_lora_rank, dim] fp8, q_norm, wq_b [H*hd, q_lora_rank] fp8, wkv [hd, dim] fp8, kv_norm,
@@ -493,7 +506,9 @@ class Attention(nnx.Module):
         self.window = args.window_size
         self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
         self.softmax_scale = args.softmax_scale
-        self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret  # sparse_attn's choice
+        # sparse_attn's choices: implementation and precision
+        self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
+        self.accumulate = resolve_attn_accumulate(args.attn_accumulate)
         self.is_index_source = args.is_index_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.is_candidate_source = args.is_candidate_source(layer_id)
@@ -633,7 +648,7 @@ class Attention(nnx.Module):
         """
         q, kv, idx, shared, aux = self.prefill_operands(x, shared, lengths)
         o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
-                        interpret=self.kernels_interpret)
+                        accumulate=self.accumulate, interpret=self.kernels_interpret)
         cos, sin = self.rope(jnp.arange(x.shape[1]))
         return self.output(o, cos, sin), shared, aux
 
@@ -702,7 +717,7 @@ class Attention(nnx.Module):
             keys = jnp.concatenate([keys, rows.astype(kv.dtype)], axis=1)
             idx = jnp.concatenate([idx, jnp.where(topk >= 0, topk + offset, -1)], axis=-1)
         o = sparse_attn(q, keys, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
-                        interpret=self.kernels_interpret)
+                        accumulate=self.accumulate, interpret=self.kernels_interpret)
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_chunk(self, x, qr, cos, sin, pos, start, lengths, shared: dict, cache: dict, aux: dict):
@@ -770,7 +785,7 @@ class Attention(nnx.Module):
             local = jnp.where(topk >= 0, self.window + jnp.arange(k, dtype=jnp.int32), -1)
             idx = jnp.concatenate([idx, local], axis=-1)
         o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
-                        interpret=self.kernels_interpret)
+                        accumulate=self.accumulate, interpret=self.kernels_interpret)
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_decode(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,

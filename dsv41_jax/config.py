@@ -2,8 +2,8 @@
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
 limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob`, the
-kernel choices `kernels`, `kernels_interpret` and the Engram storage padding `engram_rows_multiple`
-are not in the released file). Per-layer facts
+kernel choices `kernels`, `kernels_interpret`, the attention's precision `attn_accumulate` and the
+Engram storage padding `engram_rows_multiple` are not in the released file). Per-layer facts
 (attention role, which source layer a reuse layer reads, RoPE base, Engram table) are derived
 here as plain Python, so jitted code can branch on them statically.
 """
@@ -52,6 +52,11 @@ class ModelArgs:
     # CPU only with kernels_interpret=True, Pallas interpret mode)
     kernels: str = "auto"
     kernels_interpret: bool = False
+    # the sparse attention's accumulation: "f64" = float64, the golden oracle's rounding (the XLA
+    # float64 reference on every backend that has float64); "f32" = f32 (the Pallas kernels where
+    # `kernels` picks them, else the f32 reference): faster, and about 0.04-0.2% of the attention's
+    # bf16 outputs round to the other neighbour; "auto" = "f64" except on TPU (no float64): "f32"
+    attn_accumulate: str = "auto"
     # storage layout: Engram table rows are padded with zero rows up to a multiple of this, so a
     # table splits evenly over the devices of its sharding rule (no hash id reaches a padded row);
     # dsv41-convert picks it for the mesh and records it in the manifest of the converted checkpoint
@@ -202,6 +207,8 @@ class ModelArgs:
             fail(f"n_layers must be positive, got {n}")
         if self.kernels not in ("auto", "reference", "pallas"):
             fail(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
+        if self.attn_accumulate not in ("auto", "f64", "f32"):
+            fail(f"attn_accumulate must be 'auto', 'f64' or 'f32', got {self.attn_accumulate!r}")
         if self.dtype not in ("fp8", "bf16"):
             fail(f"dtype must be 'fp8' or 'bf16', got {self.dtype!r}")
         if self.expert_dtype not in ("fp4", None):

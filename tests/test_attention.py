@@ -17,6 +17,7 @@ from dsv41_jax.attention import (
     Attention,
     Compressor,
     index_scores,
+    resolve_attn_accumulate,
     select_candidate_blocks,
     window_ring,
     window_topk_idxs,
@@ -454,6 +455,23 @@ def test_attention_call_is_sparse_attn_over_window_plus_compressed_rows_then_out
         o = sparse_attn(q, kv, att.attn_sink[...], idx, ARGS.head_dim**-0.5)
         np.testing.assert_array_equal(f64(outs[i]), f64(att.output(o, cos, sin)))
         assert outs[i].shape == x.shape and outs[i].dtype == jnp.bfloat16
+
+
+def test_attn_accumulate_auto_is_float64_except_on_tpu(monkeypatch):
+    backend = jax.default_backend()
+    if backend == "tpu":
+        assert resolve_attn_accumulate("auto") == "f32"
+    else:
+        assert resolve_attn_accumulate("f64") == "f64" and resolve_attn_accumulate("f32") == "f32"
+        assert resolve_attn_accumulate("auto") == "f64"
+        assert Attention(0, ARGS).accumulate == "f64"  # the model's layers resolve ModelArgs' "auto"
+    assert Attention(0, ARGS.replace(attn_accumulate="f32")).accumulate == "f32"
+    with pytest.raises(ValueError, match="attn_accumulate"):
+        resolve_attn_accumulate("bf16")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_attn_accumulate("auto") == "f32" and resolve_attn_accumulate("f32") == "f32"
+    with pytest.raises(ValueError, match="TPUs do not have"):
+        resolve_attn_accumulate("f64")
 
 
 def test_one_token_prefill_on_a_ratio2_source_has_no_compressed_rows_and_parks_the_token():

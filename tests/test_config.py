@@ -64,6 +64,12 @@ def test_args_are_hashable_and_replaceable():
     assert t.attn_role(4) == "source" and t.uses_candidates(6)
 
 
+def test_runtime_attn_accumulate_defaults_to_auto_and_overrides(released):
+    assert released.attn_accumulate == "auto" and "attn_accumulate" not in _released_dict()
+    assert ModelArgs.from_json(RELEASED, attn_accumulate="f32").attn_accumulate == "f32"
+    assert ModelArgs.tiny().replace(attn_accumulate="f64").attn_accumulate == "f64"
+
+
 def _released_dict():
     return json.loads(RELEASED.read_text())
 
@@ -81,6 +87,7 @@ def _released_dict():
         ({"kv_source_layers": [8, 14, 20]}, "layer 2 has compress ratio 2 but no kv source layer"),
         ({"kv_source_layers": [2, 8, 14, 50]}, "outside the backbone"),
         ({"dtype": "fp16"}, "dtype must be 'fp8' or 'bf16'"),
+        ({"attn_accumulate": "bf16"}, "attn_accumulate must be 'auto', 'f64' or 'f32', got 'bf16'"),
     ],
 )
 def test_invalid_configs_are_rejected_with_a_clear_message(change, message):

@@ -443,6 +443,25 @@ def test_parity_cli_prefill_only_with_a_kernel_choice_writes_no_decode_arrays(tm
         parity.main([str(gs.path), "--kernels", "fast"])
 
 
+def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def load_model(gs, **overrides):
+        seen.update(overrides)
+        raise Stop
+
+    monkeypatch.setattr(parity, "load_model", load_model)
+    golden = str(DATA / "golden" / "tiny-a")
+    with pytest.raises(Stop):
+        parity.main([golden, "--attn-accumulate", "f32", "--prefill-only"])
+    assert seen == {"kernels": "auto", "attn_accumulate": "f32"}
+    with pytest.raises(SystemExit):
+        parity.main([golden, "--attn-accumulate", "bf16"])
+
+
 def test_decode_step_with_a_context_bound_equals_the_whole_cache_arrays():
     # the indexers score only the rows positions < bound can see; every aux array (scores padded
     # with -inf, top-k with -1, candidates with False, block scores) and every cache array match

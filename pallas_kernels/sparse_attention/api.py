@@ -6,12 +6,14 @@ CPU). A shape the kernel does not handle falls back to the reference with a logg
 the shape and the reason; bad arguments raise ValueError first. Gradients come from the reference
 math in f32 (custom VJP).
 
-`accumulate` is the precision: "f64" (the default, the model's choice) is the float64 oracle's
-rounding, which only the reference computes: the kernels are f32 (an f32-accurate result rounds
-0.04-0.2% of outputs to the other bf16 neighbour, and on the golden sets such flips, amplified by
-the next fp8 quantisation and by routing, break block parity), so a float64 request on the kernel
-path falls back to the reference with a logged note. "f32" runs the kernels
-(`BlockSizes.split_probs`); see benchmarks/README.md for cost and error of each.
+`accumulate` is the precision: "f64" (the default) is the float64 oracle's rounding, which only
+the reference computes: the kernels are f32 (an f32-accurate result rounds 0.04-0.2% of outputs to
+the other bf16 neighbour, and on the golden sets such flips, amplified by the next fp8
+quantisation and by routing, break block parity), so a float64 request on the kernel path falls
+back to the reference with a logged note. "f32" runs the kernels (`BlockSizes.split_probs`); see
+benchmarks/README.md for cost and error of each. The model passes `ModelArgs.attn_accumulate`
+("auto": "f64" except on TPU, which has no float64, "f32" there;
+`dsv41_jax.attention.resolve_attn_accumulate`).
 """
 
 from __future__ import annotations
