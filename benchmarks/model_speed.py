@@ -27,7 +27,8 @@ Bytes and FLOPs come from `count_layer` (derivation in its docstring) and the pa
 Rows are printed as they finish and the JSON is rewritten after every row, so a run stopped by
 a time limit keeps what it measured. `--paths fast,reference` times the same rows with
 kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and records the
-speed-up. `--tiny` runs the same script at tiny width on CPU (a bug check, not a measurement).
+speed-up; the path `fast-f32` is `fast` with `attn_accumulate="f32"` (the sparse attention in
+f32, on the Pallas kernel, instead of the float64 reference). `--tiny` runs the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
 from __future__ import annotations
@@ -62,13 +63,16 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
                   engram_num_embeddings=(), vision_n_layers=0)
 
 
-def bench_args(tiny: bool, batch: int, context: int, kernels: str) -> ModelArgs:
+# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate)
+PATHS = {"fast": ("auto", "auto"), "fast-f32": ("auto", "f32"), "reference": ("reference", "auto")}
+
+
+def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto") -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
+    run = dict(max_batch_size=batch, max_seq_len=context, kernels=kernels, attn_accumulate=attn_accumulate)
     if tiny:
-        base = ModelArgs.tiny(**_NO_EXTRAS)
-        return base.replace(n_layers=6, max_batch_size=batch, max_seq_len=context, kernels=kernels, **_LAYOUT)
-    return ModelArgs.from_json(RELEASED, n_layers=6, max_batch_size=batch, max_seq_len=context, kernels=kernels,
-                               **_LAYOUT, **_NO_EXTRAS)
+        return ModelArgs.tiny(**_NO_EXTRAS).replace(n_layers=6, **run, **_LAYOUT)
+    return ModelArgs.from_json(RELEASED, n_layers=6, **run, **_LAYOUT, **_NO_EXTRAS)
 
 
 # ----------------------------------------------------------------------------------- counting
@@ -310,7 +314,14 @@ def ceilings(rep: Report, tiny: bool) -> dict:
     return {"hbm": bw, "bf16": bf16, "fp8": fp8}
 
 
-def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0):
+# expert_matmul.BlockSizes fields tried on one projection ({}: the defaults)
+KERNEL_VARIANTS = ({}, {"decode": "pairs"}, {"swap_ab": True}, {"decode": "pairs", "swap_ab": True},
+                   {"decode": "pairs", "block_n": 128}, {"decode": "pairs", "block_k": 512},
+                   {"decode": "pairs", "num_warps": 8}, {"decode": "pairs", "swap_ab": True, "block_n": 128},
+                   {"block_n": 64, "block_k": 512, "num_warps": 8}, {"decode": "select"})
+
+
+def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0, variants=KERNEL_VARIANTS):
     """The routed-expert GEMMs of one MoE (w1, w3, SwiGLU, w2) at `batches` tokens: XLA path vs
     the Pallas kernel, same weights and routing; bit-identity of the two outputs."""
     from dsv41_jax.moe import MoE
@@ -357,8 +368,8 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
             rep.add(name="experts out: fast vs reference", batch=tokens, context=0, seconds=None, bytes=0, flops=0,
                     fraction_of_ceiling=None, **_compare(outs["fast"], outs["reference"]))
         outs.clear()
-        if jax.default_backend() == "gpu" and tokens in (1, 64):
-            _projection_rows(rep, ceil, moes["reference"], xq, idx, tokens, path, per_expert, n_unique)
+        if jax.default_backend() == "gpu" and tokens in (1, 8, 64):
+            _projection_rows(rep, ceil, moes["reference"], xq, idx, tokens, path, per_expert, n_unique, variants)
 
 
 def _ordered(a) -> np.ndarray:
@@ -376,12 +387,7 @@ def _compare(got, want) -> dict:
             "max_abs_over_rms": float(np.max(np.abs(g - w)) / rms)}
 
 
-# (block_n, block_k, num_warps, num_stages, subnormal_decode) tried on one projection
-KERNEL_VARIANTS = ((None, None, 4, 3, None), (64, 512, 8, 3, None), (32, 256, 4, 4, None),
-                   (None, None, 4, 3, False))
-
-
-def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique):
+def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique, variants=KERNEL_VARIANTS):
     """w1 alone (the [inter, dim] fp4 projection): XLA widen-then-dot vs kernel variants; the
     kernel's products are exact, so outputs may differ from XLA only by fp32 summation order."""
     from pallas_kernels.expert_matmul import api as em
@@ -408,12 +414,11 @@ def _projection_rows(rep, ceil, moe, xq, idx, tokens, path, per_expert, n_unique
             return jax.jit(lambda xs, w, sc, te, row0, valid: em.grouped_matmul(
                 xs, w, sc, te, row0, valid, c, implementation=impl, block_sizes=bs)[:r])
     want = None
-    for variant in (None,) + KERNEL_VARIANTS:
+    for variant in (None, *variants):
         impl = "reference" if variant is None else "pallas"
-        bs = None if variant is None else em.BlockSizes(*variant)
-        label = "xla" if variant is None else "kernel bn={} bk={} w={} s={}{}".format(
-            variant[0] or "auto", variant[1] or "auto", variant[2], variant[3],
-            " select-decode" if variant[4] is False else "")
+        bs = None if variant is None else em.BlockSizes(**variant)
+        label = "xla" if variant is None else "kernel " + (
+            " ".join(f"{k}={v}" for k, v in variant.items()) or "default")
         try:
             f = make(impl, bs)
             t = timeit(lambda: f(*operands))
@@ -442,9 +447,8 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
         for batch in batches:
             for path in paths:
                 name = f"decode {path}"
-                kernels = "auto" if path == "fast" else "reference"
                 cache_len_row = max(cache_len or context, context)
-                args = bench_args(tiny, batch, cache_len_row, kernels)
+                args = bench_args(tiny, batch, cache_len_row, *PATHS[path])
                 context_bound = context_bucket(context, cache_len_row) if bound else None
                 pb = param_bytes(args)
                 counts = [count_layer(args, i, pb, batch, context) for i in range(args.n_layers)]
@@ -553,8 +557,7 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
 def prefill_section(rep, ceil, tiny, lengths, paths):
     for s in lengths:
         for path in paths:
-            kernels = "auto" if path == "fast" else "reference"
-            args = bench_args(tiny, 1, s, kernels)
+            args = bench_args(tiny, 1, s, *PATHS[path])
             pb = param_bytes(args)
             counts = [count_layer(args, i, pb, 1, s, tokens_per_row=s) for i in range(args.n_layers)]
             by = sum(c[0] for c in counts)
@@ -602,11 +605,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for model_speed.json")
     p.add_argument("--tiny", action="store_true", help="tiny width on any backend (bug check)")
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
-    p.add_argument("--paths", default="fast,reference", help="fast (kernels=auto), reference (plain jnp)")
+    p.add_argument("--paths", default="fast,reference",
+                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")
     p.add_argument("--expert-batches", default="1,8,64,256")
+    p.add_argument("--expert-variants", default=None,
+                   help="JSON list of expert_matmul.BlockSizes fields tried on w1 (default KERNEL_VARIANTS)")
     p.add_argument("--layers-for", default="1x4096,64x4096",
                    help="BxT decode shapes that also get per-layer times (fast path; add :reference)")
     p.add_argument("--profile-for", default="1x4096,64x4096", help="BxT decode shapes profiled (fast path)")
@@ -625,8 +631,8 @@ def main(argv=None) -> int:
     lengths = _ints(ns.prefill or ("32,64" if tiny else "4096,16384"))
     paths = [v for v in ns.paths.split(",") if v]
     for v in paths:
-        if v not in ("fast", "reference"):
-            p.error(f"--paths: unknown path {v!r} (fast, reference)")
+        if v not in PATHS:
+            p.error(f"--paths: unknown path {v!r} ({', '.join(PATHS)})")
     sections = set(ns.sections.split(","))
     layers_for = set()
     for item in ns.layers_for.split(","):
@@ -651,7 +657,8 @@ def main(argv=None) -> int:
     rep.meta["ceilings"] = ceil
     if "experts" in sections:
         experts_section(rep, ceil, bench_args(tiny, 1, contexts[0], "auto"),
-                        _ints(ns.expert_batches if not tiny else "1,8,64"))
+                        _ints(ns.expert_batches if not tiny else "1,8,64"),
+                        variants=tuple(json.loads(ns.expert_variants)) if ns.expert_variants else KERNEL_VARIANTS)
     ref_b = set(_ints(ns.reference_batches)) if ns.reference_batches else set(batches)
     ref_ctx = set(_ints(ns.reference_contexts)) if ns.reference_contexts else set(contexts)
     ref_pre = set(_ints(ns.reference_prefill)) if ns.reference_prefill else set(lengths)
@@ -660,12 +667,12 @@ def main(argv=None) -> int:
     for n_ctx, context in enumerate(contexts):
         if "decode" in sections:
             for batch in batches:
-                ps = [v for v in paths if v == "fast" or (batch in ref_b and context in ref_ctx)]
+                ps = [v for v in paths if v != "reference" or (batch in ref_b and context in ref_ctx)]
                 decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for,
                                ns.cache_len, not ns.no_context_bound)
         if n_ctx == 0 and "prefill" in sections:
             for s_len in lengths:
-                prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v == "fast" or s_len in ref_pre])
+                prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre])
     print(f"wrote {Path(ns.out) / 'model_speed.json'}")
     return 0
 

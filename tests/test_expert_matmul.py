@@ -153,9 +153,72 @@ class TestKernelGPU(GatherBase):
 
 @needs_gpu
 class TestKernelGPUSelectDecode(TestKernelGPU):
-    # the compiled default is the subnormal decode (no interpret twin: XLA on CPU flushes
-    # subnormals, and interpret mode defaults to this select-based decode)
-    block_sizes = api.BlockSizes(subnormal_decode=False)
+    # the compiled default is the "pairs" PTX decode (no interpret twin: its bit logic is checked
+    # on CPU by test_pairs_bit_logic), interpret mode's is this select-based one
+    block_sizes = api.BlockSizes(decode="select")
+
+
+@needs_gpu
+class TestKernelGPUSubnormalDecode(TestKernelGPU):
+    # no interpret twin either: XLA on CPU flushes subnormals
+    block_sizes = api.BlockSizes(decode="subnormal")
+
+
+def test_pairs_bit_logic():
+    """The "pairs" PTX's integer steps (mirrored by `_pairs_emulated`) give, for every code j of
+    two words, the bf16 pair whose halves times 2^126 are the e2m1 values of code j of each word:
+    all 16 codes at every position, both halves, plus random words."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    rng = np.random.default_rng(0)
+    base = np.array([0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567], np.uint64)
+    a = np.concatenate([np.repeat(base, 4), rng.integers(0, 2**32, 64, dtype=np.uint64)])
+    b = np.concatenate([np.tile(base, 4), rng.integers(0, 2**32, 64, dtype=np.uint64)])
+    pairs = kernel_gpu._pairs_emulated(a, b)
+    for j, bits in enumerate(pairs):
+        for word, half in ((a, bits & 0xFFFF), (b, bits >> 16)):
+            value = np.asarray(half, np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0**126
+            want = _E2M1[(word >> np.uint64(4 * j)) & np.uint64(0xF)]
+            assert np.array_equal(value, want) and np.array_equal(np.signbit(value), np.signbit(want)), j
+    for j, ptx in enumerate(kernel_gpu.PAIRS_PTX):  # the PTX uses the emulated constants
+        sel, codes = kernel_gpu.PAIRS_BYTES[j // 2]
+        assert f"{sel:#x}" in ptx and f"r_u, {codes[j % 2][1]};" in ptx and f"r_u, {codes[j % 2][2]};" in ptx
+
+
+@pytest.mark.parametrize("decode", ["select", "subnormal", "pairs"])
+def test_kernel_lowers_to_triton_for_cuda(decode):
+    """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 16)
+    te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [16]))
+    f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=16, block_n=64, block_k=256,
+                                                 num_warps=4, num_stages=3, interpret=False, decode=decode)
+    text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "expert_matmul_fp4" in text
+
+
+@needs_gpu
+@pytest.mark.parametrize("decode", ["select", "subnormal", "pairs"])
+def test_every_scale_byte_decodes_exactly(decode):
+    """Scale bytes 0..252 (2^-127 a subnormal, up to where 6 x scale still fits bf16) and 255
+    (NaN), every code: one-hot rows of 2^64 read single weights out, so each output is one exact
+    product (normal in fp32) and must equal the float64 oracle rounded to bf16 bit for bit."""
+    n, k = 64, 256
+    rng = np.random.default_rng(5)
+    w_np = rng.integers(-128, 128, (1, n, k // 2), dtype=np.int8)
+    s_np = (np.arange(n * 8).reshape(1, n, 8) % 253).astype(np.uint8)
+    s_np[0, -1] = 127
+    s_np[0, -1, 0] = 255  # NaN: the whole column n-1 is NaN (0 x NaN in the dot)
+    x = jnp.asarray(np.eye(k) * 2.0**64, jnp.bfloat16)
+    s = jnp.asarray(s_np.view(ml_dtypes.float8_e8m0fnu))
+    e = jnp.zeros((k,), jnp.int32)
+    out = _gather(x, jnp.asarray(w_np), s, e, implementation="pallas", interpret=False,
+                  block_sizes=api.BlockSizes(decode=decode))
+    want = (np.eye(k) * 2.0**64) @ np.nan_to_num(np_dense(w_np, s_np)[0].T, nan=0.0)
+    want[:, -1] = np.nan
+    want = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), want)
 
 
 def test_subnormal_decode_is_wrong_where_subnormals_flush():
@@ -170,8 +233,8 @@ def test_subnormal_decode_is_wrong_where_subnormals_flush():
     sub = np.concatenate([np.asarray(sub_f(words, j)) for j in range(8)])
     sel = np.concatenate([np.asarray(jax.jit(kernel_gpu._e2m1_f32)((words >> (4 * j)) & 0xF)) for j in range(8)])
     assert np.any(sub != sel) and np.all(sel[np.abs(sub - sel) > 0] == 0.5 * np.sign(sel[np.abs(sub - sel) > 0]))
-    assert api.BlockSizes().resolved(16, 64, 256, interpret=True).subnormal_decode is False
-    assert api.BlockSizes().resolved(16, 64, 256, interpret=False).subnormal_decode is True
+    assert api.BlockSizes().resolved(16, 64, 256, interpret=True).decode == "select"
+    assert api.BlockSizes().resolved(16, 64, 256, interpret=False).decode == "pairs"
 
 
 @needs_gpu

@@ -456,6 +456,9 @@ def test_moe_equals_reference_loop_built_from_linear_fp4(moe3):
 
 
 def test_auto_path_is_gather_for_few_pairs_and_grouped_scan_for_many(moe3):
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the grouped path runs the fp4 kernel, not the reference's scan")
+
     def has_scan(n_tok):
         x = jnp.zeros((1, n_tok, 64), jnp.bfloat16)
         return "scan" in str(jax.make_jaxpr(lambda x: moe3(x))(x))

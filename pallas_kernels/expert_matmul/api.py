@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 Implementation = Literal["auto", "reference", "pallas"]
 
+_SMS = 132  # H100/H200 multiprocessors, for the block_n choice
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -40,25 +42,33 @@ class BlockSizes:
     block_n: output columns per program (power of 2 >= 16 dividing N).
     block_k: reduction step (power of 2 >= 128 dividing K; 32-column scale groups stay whole).
     num_warps, num_stages: Triton launch parameters.
-    subnormal_decode: decode e2m1 with five integer operations through an fp32 subnormal (the
-      decode's integer work, not HBM, bounds the kernel at few rows) instead of the select-based
-      decode. None: on for compiled GPU kernels (the H200 keeps subnormals: the compiled oracle
-      tests pass), off in interpret mode (XLA on CPU flushes them).
+    decode: how the codes become bf16 (kernel_gpu's docstring): "select", "subnormal" (five
+      integer operations a code through an fp32 subnormal) or "pairs" (inline PTX: a byte permute,
+      four integer operations and two packed bf16 multiplies per two codes). The decode's integer
+      work, not HBM, bounds the kernel. None: "pairs" for compiled GPU kernels (1.3-1.6x faster
+      than "subnormal" on the H200, benchmarks/README.md; exact: the compiled oracle tests pass),
+      "select" in interpret mode (PTX has no CPU path; XLA on CPU flushes subnormals).
+    Defaults measured on the released w1 (N 2304, K 5120) on the H200: at up to 16 rows per tile
+    block_k 512 (1.25-1.3x faster than 256 with "pairs") and 128-column blocks while the grid
+    stays under two waves of programs (one token: 48.9 against 60.5 µs), else 64 (eight tokens:
+    164 against 175 µs); larger tiles keep 128 x 128 (a 512-deep step would not fit shared
+    memory).
     """
     block_n: int | None = None
     block_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
-    subnormal_decode: bool | None = None
+    decode: str | None = None
 
-    def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
-        # few rows: the program streams weight bytes, so a narrow N block gives more programs to
-        # fill the SMs and a long K step keeps loads wide; many rows: square-ish MMA tiles.
+    def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 1) -> BlockSizes:
+        # few rows: the program streams weight bytes; wide N blocks while the grid is short of
+        # two waves, else narrow ones for more programs; many rows: square-ish MMA tiles.
         # Defaults halve until they divide the shape (the kernel rejects what still does not).
-        block_n = self.block_n or fit_block(64 if rows <= 16 else 128, n, 16)
-        block_k = self.block_k or fit_block(256 if rows <= 16 else 128, k, 128)
-        sub = (not interpret) if self.subnormal_decode is None else self.subnormal_decode
-        return dataclasses.replace(self, block_n=block_n, block_k=block_k, subnormal_decode=sub)
+        wide = rows > 16 or tiles * n // 128 <= 2 * _SMS
+        block_n = self.block_n or fit_block(128 if wide else 64, n, 16)
+        block_k = self.block_k or fit_block(512 if rows <= 16 else 128, k, 128)
+        decode = self.decode or ("select" if interpret else "pairs")
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, decode=decode)
 
 
 def _validate(x, w, s, what: str):
@@ -81,12 +91,12 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, implementation, interpret, b
     if target != "gpu":
         logger.warning("expert_matmul: no %s kernel; using the reference", target)
         return None
-    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret)
+    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret, te.shape[0])
     try:
         return kernel_gpu.expert_matmul(
             x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
             num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
-            subnormal_decode=bs.subnormal_decode)
+            decode=bs.decode)
     except NotImplementedError as e:
         logger.warning("expert_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
         return None

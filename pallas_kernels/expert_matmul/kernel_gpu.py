@@ -5,11 +5,20 @@ One program per (tile, N block). A tile is up to `rows` consecutive rows of x th
 expert (the MoE's gather path: one (token, expert) pair per tile; the grouped path: rows sorted by
 expert). The program reads its tile's expert id, first row and row count from three int32 arrays,
 then walks K in blocks: loads the packed codes as int32 words [block_n, block_k/8] and the e8m0
-bytes [block_n, block_k/32] of that expert, decodes the 8 codes of each word arithmetically (no
-table), multiplies by the power-of-two scale in fp32 (exact), rounds to bf16 (exact: <= 4
-significant bits) and feeds the tensor cores, one dot per code position, with the matching x
-columns [rows, block_k/8]. fp32 accumulation, one bf16 rounding, a masked
-store of the tile's valid rows. A dead tile (0 rows) stores nothing.
+bytes [block_n, block_k/32] of that expert, decodes the 8 codes of each word to bf16 times the
+power-of-two scale (exact: <= 4 significant bits) and feeds the tensor cores, one dot per code
+position, with the matching x columns [rows, block_k/8]. fp32 accumulation, one bf16 rounding, a
+masked store of the tile's valid rows. A dead tile (0 rows) stores nothing.
+
+Decodes (`decode`), all exact:
+  * "select": integer select of the fp32 bits per code, fp32 scale multiply, bf16 rounding;
+  * "subnormal": the three magnitude bits moved into an fp32 subnormal, x 2^126, x scale (five
+    integer operations a code);
+  * "pairs": inline PTX on two words at a time: a byte permute puts the same byte of both words
+    side by side, shifts and masks turn one code of each into a bf16 pair (a bf16 subnormal:
+    the code's value times 2^-126), and two packed bf16 multiplies (x 2^126, x scale) finish it:
+    about 3 integer and 1 floating operation a code against about 8 for "subnormal". GPU only
+    (no interpret twin: the PTX has no CPU lowering); `_pairs_emulated` mirrors its bit logic.
 
 Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
 (dequantise to bf16, one dot) only in the order the fp32 products are added.
@@ -52,8 +61,59 @@ def _e2m1_subnormal_f32(words: jax.Array, j: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32) * jnp.float32(2.0**126)
 
 
+# "pairs": per byte p of the words (codes 2p, 2p+1): the prmt selector that puts byte p of word
+# a in byte 0 and byte p of word b in byte 2, and per code (index, magnitude shift, sign shift)
+# that moves its three magnitude bits to bf16 bits 6..8 (22..24) and its sign to bit 15 (31)
+PAIRS_BYTES = tuple((p | p << 4 | (4 + p) << 8 | (4 + p) << 12, ((2 * p, 6, 12), (2 * p + 1, 2, 8)))
+                    for p in range(4))
+PAIRS_MAG, PAIRS_SIGN = 0x01C001C0, 0x80008000
+BF16X2_2P126 = 0x7E807E80  # bf16 2^126 in both halves
+
+
+def _pairs_ptx(j: int) -> str:
+    """PTX for `elementwise_inline_asm` with pack=2 (one result: the lowering takes one): $0 =
+    code j of words $1 (low half) and $2 (high half) as bf16 times the bf16 scales in $3 (one
+    per word)."""
+    sel, codes = PAIRS_BYTES[j // 2]
+    _, ms, ss = codes[j % 2]
+    return "\n".join([
+        "{", ".reg .b32 r_u, r_m, r_g, r_k;", f"mov.b32 r_k, {BF16X2_2P126:#x};",
+        f"prmt.b32 r_u, $1, $2, {sel:#x};",
+        f"shl.b32 r_m, r_u, {ms};", f"and.b32 r_m, r_m, {PAIRS_MAG:#x};",
+        f"shl.b32 r_g, r_u, {ss};", f"and.b32 r_g, r_g, {PAIRS_SIGN:#x};",
+        "or.b32 r_m, r_m, r_g;", "mul.rn.bf16x2 r_m, r_m, r_k;", "mul.rn.bf16x2 $0, r_m, $3;", "}"])
+
+
+PAIRS_PTX = tuple(_pairs_ptx(j) for j in range(8))
+
+
+def _pairs_emulated(a, b) -> list:
+    """The integer part of `_pairs_ptx` in numpy terms (uint32 words a, b -> for each code j the
+    uint32 holding the bf16-subnormal pair), so a CPU test can check its selectors and masks."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.uint64), np.asarray(b, np.uint64)
+    out = [None] * 8
+    for sel, codes in PAIRS_BYTES:
+        both = a | (b << np.uint64(32))  # prmt's source bytes 0..7
+        u = np.zeros_like(a)
+        for i in range(4):
+            src = (sel >> (4 * i)) & 7
+            u |= ((both >> np.uint64(8 * src)) & np.uint64(0xFF)) << np.uint64(8 * i)
+        for j, ms, ss in codes:
+            m = ((u << np.uint64(ms)) & np.uint64(PAIRS_MAG)) | ((u << np.uint64(ss)) & np.uint64(PAIRS_SIGN))
+            out[j] = m.astype(np.uint32)
+    return out
+
+
+def _e8m0_bf16(b: jax.Array) -> jax.Array:
+    """int32 e8m0 bytes -> bf16 2^(b-127): 0 -> 2^-127 (a bf16 subnormal), 255 -> NaN."""
+    bits = jnp.where(b == 0, jnp.int32(0x40), jnp.where(b == 255, jnp.int32(0x7FC0), b << 7))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+
+
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: int, block_n: int,
-            block_k: int, n_kblocks: int, subnormal_decode: bool):
+            block_k: int, n_kblocks: int, decode: str):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); w_ref [E, N, K/8] int32 (8 codes a word); s_ref [E, N, K/32] uint8
     # o_ref [M, N] bf16 (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n))
@@ -65,16 +125,26 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
     kw, ks = block_k // 8, block_k // 32
     dims = (((1,), (1,)), ((), ()))
 
+    def codes(words, sb):
+        """[bn, kw] int32 words, [bn, ks] int32 e8m0 bytes -> 8 bf16 [bn, kw]: code j of each word
+        times its scale. Word c holds K columns 8c .. 8c+7, all in scale group c // 4."""
+        def per_word(v):
+            return jnp.broadcast_to(v[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
+        if decode == "pairs":
+            sw = per_word(_e8m0_bf16(sb))
+            out = jax.ShapeDtypeStruct((block_n, kw), jnp.bfloat16)
+            return [plgpu.elementwise_inline_asm(ptx, args=[words, sw], constraints="=r,r,r,r", pack=2,
+                                                 result_shape_dtypes=[out])[0] for ptx in PAIRS_PTX]
+        sf = per_word(e8m0_f32(sb))
+        return [((_e2m1_subnormal_f32(words, j) if decode == "subnormal" else _e2m1_f32((words >> (4 * j)) & 0xF))
+                 * sf).astype(jnp.bfloat16) for j in range(8)]
+
     @pl.when(valid > 0)
     def _():
         def body(jb, acc):
             words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
             sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
-            # word c of the block holds K columns 8c .. 8c+7, all in scale group c // 4
-            sf = jnp.broadcast_to(e8m0_f32(sb)[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
-            for j in range(8):  # code j of every word: K columns 8c + j, x columns j*kw + c
-                v = _e2m1_subnormal_f32(words, j) if subnormal_decode else _e2m1_f32((words >> (4 * j)) & 0xF)
-                wj = (v * sf).astype(jnp.bfloat16)  # [bn, kw], exact
+            for j, wj in enumerate(codes(words, sb)):  # code j of every word: x columns j*kw + c
                 xj = x_ref[pl.ds(row0, rows), pl.ds(jb * block_k + j * kw, kw)]  # [rows, kw] bf16
                 acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
             return acc
@@ -87,7 +157,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
 
 def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
-                  num_stages: int, interpret: bool, subnormal_decode: bool = False) -> jax.Array:
+                  num_stages: int, interpret: bool, decode: str = "select") -> jax.Array:
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
 
@@ -97,7 +167,13 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     permuted to match within each K block (a dot's result does not depend on the K order beyond
     fp32 summation order).
 
+    decode: "select", "subnormal" or "pairs" (module docstring).
+
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
+    if decode not in ("select", "subnormal", "pairs"):
+        raise ValueError(f"decode must be 'select', 'subnormal' or 'pairs', got {decode=}")
+    if decode == "pairs" and interpret:
+        raise NotImplementedError("the 'pairs' decode is inline PTX: no interpret mode")
     m, k = x.shape
     n_exp, n, k2 = w.shape
     if x.dtype != jnp.bfloat16:
@@ -122,7 +198,7 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
     t = tile_expert.shape[0]
     kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
-                               subnormal_decode=subnormal_decode)
+                               decode=decode)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
