@@ -73,7 +73,8 @@ GPUs.)
 Mesh discovery (the contract with `MoE.__call__`): `active_expert_mesh()` reads
 `jax.sharding.get_abstract_mesh()`, which `jax.set_mesh(mesh)` sets, in jax 0.10.2 and 0.11.2
 (`jax.sharding.use_mesh` does not exist in 0.10.2: use `jax.set_mesh`). The path is taken when
-that mesh has an `expert` axis of size > 1. The shard_map is `jax.shard_map` (both versions)
+that mesh has an `expert` or a `data` axis of size > 1 (data only: each device keeps every
+expert and routes its own tokens). The shard_map is `jax.shard_map` (both versions)
 over that mesh.
 """
 
@@ -99,11 +100,15 @@ _EXPERT = "expert"
 
 
 def active_expert_mesh():
-    """The active mesh (`jax.set_mesh`) when it has an `expert` axis of size > 1, else None."""
+    """The active mesh (`jax.set_mesh`) when its `expert` or `data` axis is > 1, else None.
+
+    A data-only mesh takes the shard_mapped MoE too (every device holds all experts): the fp4
+    kernel is a custom call the partitioner cannot split by tokens, so under plain jit each
+    device would run the whole batch's experts."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+    if mesh is None or mesh.empty or mesh.manual_axes:
         return None
-    if dict(mesh.shape).get(_EXPERT, 1) <= 1:
+    if dict(mesh.shape).get(_EXPERT, 1) <= 1 and dict(mesh.shape).get("data", 1) <= 1:
         return None
     missing = [a for a in MESH_AXES if a not in mesh.axis_names]
     if missing:

@@ -327,8 +327,8 @@ class MoE(nnx.Module):
 
         Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]}).
 
-        Traced under an active mesh (`jax.set_mesh`) whose `expert` axis is > 1, the MoE runs
-        expert-parallel (`dsv41_jax.expert_parallel.moe_forward`), with the same values; there
+        Traced under an active mesh (`jax.set_mesh`) whose `expert` or `data` axis is > 1, the
+        MoE runs as one shard_map (`dsv41_jax.expert_parallel.moe_forward`), with the same values; there
         `path` picks the communication pattern: "gather" -> "replicated", "grouped" ->
         "all_to_all", "auto" by token count."""
         if path not in ("auto", "gather", "grouped"):

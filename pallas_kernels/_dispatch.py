@@ -1,8 +1,13 @@
-"""The one dispatch rule shared by every kernel's api.py."""
+"""The dispatch rule shared by every kernel's api.py, and the data-parallel split of a kernel call."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
+from jax.sharding import PartitionSpec as P
+
+logger = logging.getLogger(__name__)
 
 
 def resolve(implementation: str, target: str | None, interpret: bool) -> tuple[bool, str]:
@@ -25,3 +30,36 @@ def resolve(implementation: str, target: str | None, interpret: bool) -> tuple[b
     if backend == "cpu" and not interpret:
         raise ValueError("implementation='pallas' on CPU needs interpret=True")
     return True, target
+
+
+def split_batch(fn, args, batched, name: str):
+    """fn(*args), run once per `data` shard when the active mesh (`jax.set_mesh`) splits `data`.
+
+    A Pallas kernel is a custom call that the SPMD partitioner cannot split: under plain jit on a
+    mesh it would gather its operands and compute the whole batch on every device. So on such a
+    mesh the call runs inside a `jax.shard_map`: each arg whose `batched` flag is set is split by
+    its leading dim over `data` (the layout of activations and caches, `dsv41_jax.sharding`),
+    the others (and None) are passed whole, and every output's leading dim is the batch. Inside
+    a shard_map that already made `data` manual (the expert-parallel MoE) the call is local as it
+    is. A batch that `data` does not divide runs unsplit, with a logged warning.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    n = 1 if mesh.empty else dict(mesh.shape).get("data", 1)
+    if n <= 1 or "data" in mesh.manual_axes:
+        return fn(*args)
+    rows = sorted({a.shape[0] for a, b in zip(args, batched) if b and a is not None})
+    if any(r % n for r in rows):
+        logger.warning("%s: batch %s is not divisible by the mesh's data axis (%d); the kernel runs on the "
+                       "whole batch on every device", name, rows, n)
+        return fn(*args)
+    live = [i for i, a in enumerate(args) if a is not None]
+
+    def local(*xs):
+        full = list(args)
+        for i, x in zip(live, xs):
+            full[i] = x
+        return fn(*full)
+
+    specs = tuple(P("data") if batched[i] else P() for i in live)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("data"), check_vma=False)(
+        *(args[i] for i in live))

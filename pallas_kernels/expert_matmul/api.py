@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels._dispatch import split_batch
 from pallas_kernels._triton import fit_block
 from pallas_kernels.expert_matmul import kernel_gpu
 from pallas_kernels.expert_matmul import reference as _ref
@@ -111,14 +112,20 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
     r = x.shape[0]
     if expert.shape != (r,):
         raise ValueError(f"gather_matmul: expert must be [R={r}], got {expert.shape=}")
-    rows = 16  # tensor-core minimum; each tile's other 15 rows are padding (masked at the store)
-    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
-    ar = jnp.arange(r, dtype=jnp.int32)
-    out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
-                          implementation, interpret, block_sizes)
-    if out is None:
+    use_kernel, _ = _resolve(implementation, None, interpret)
+    if not use_kernel or r == 0:
         return _ref.gather_matmul(x, w, s, expert)
-    return out[:r]
+
+    def local(x, expert):  # per data shard on a mesh (split_batch): pairs are token-major
+        r = x.shape[0]
+        rows = 16  # tensor-core minimum; each tile's other 15 rows are padding (masked at the store)
+        xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
+        ar = jnp.arange(r, dtype=jnp.int32)
+        out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
+                              implementation, interpret, block_sizes)
+        return _ref.gather_matmul(x, w, s, expert) if out is None else out[:r]
+
+    return split_batch(local, (x, expert), (True, True), "gather_matmul")
 
 
 def grouped_tiles(indices: jax.Array, n_experts: int, tile_rows: int):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from dsv41_jax import quant
 from dsv41_jax.numerics import to_bf16
 from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels._dispatch import split_batch
 from pallas_kernels._triton import fit_block
 from pallas_kernels.fp8_matmul import kernel_gpu
 from pallas_kernels.fp8_matmul import reference as _ref
@@ -121,15 +122,23 @@ def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implemen
     """The fp8 `linear()`: x [..., K] (bf16/fp32), w e4m3 [N, K], s e8m0 -> bf16 [..., N].
 
     act_quant(x) (e4m3 per 32, power-of-two scales; exact in bf16), then the kernel for up to
-    `max_rows` rows, else (or on the reference path) `quant.linear_fp8` (XLA)."""
-    rows = math.prod(x.shape[:-1])
+    `max_rows` rows, else (or on the reference path) `quant.linear_fp8` (XLA). On a mesh that
+    splits `data` the leading dim is split (`_dispatch.split_batch`) and `max_rows` applies to
+    each shard's rows."""
     bs = block_sizes or BlockSizes()
     use_kernel, _ = _resolve(implementation, None, interpret)
-    if not use_kernel or rows == 0 or rows > bs.max_rows:
+    if not use_kernel or x.size == 0:
         return quant.linear_fp8(x, w, s)
-    xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
-    _validate(xq, w, s)
-    out = _kernel_or_none(xq, w, s, implementation, interpret, bs)
-    if out is None:
-        return quant.linear_fp8(x, w, s)
-    return out.reshape(*x.shape[:-1], w.shape[0])
+
+    def local(x, w, s):  # per data shard on a mesh (split_batch): the row count is the shard's
+        rows = math.prod(x.shape[:-1])
+        if rows > bs.max_rows:
+            return quant.linear_fp8(x, w, s)
+        xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
+        _validate(xq, w, s)
+        out = _kernel_or_none(xq, w, s, implementation, interpret, bs)
+        if out is None:
+            return quant.linear_fp8(x, w, s)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
+    return split_batch(local, (x, w, s), (True, False, False), "fp8 linear") if x.ndim > 1 else local(x, w, s)

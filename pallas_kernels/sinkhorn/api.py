@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.numerics import reciprocal_sqrt
 from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels._dispatch import split_batch
 from pallas_kernels.sinkhorn import kernel_gpu, kernel_tpu
 from pallas_kernels.sinkhorn import reference as _ref
 
@@ -132,17 +133,24 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
     rms1d = None if rms is None else rms.astype(jnp.float32).reshape(t)
     scale32, base32 = scale.astype(jnp.float32), base.astype(jnp.float32)
     config = (hc, iters, float(eps), target, bs, interpret)
-    try:
-        if t == 0:
-            raise NotImplementedError("zero tokens")
-        # trace the kernel once here so an unsupported case surfaces before custom_vjp wraps it
-        jax.eval_shape(functools.partial(_kernel_split, hc=hc, iters=iters, eps=float(eps), target=target,
-                                         block_sizes=bs, interpret=interpret), mixes2d, scale32, base32, rms1d)
-    except NotImplementedError as e:
-        logger.warning("hc_split_sinkhorn: %s kernel does not handle mixes %s (%s); using the reference",
-                       target, mixes.shape, e)
-        return reference()
-    pre, post, comb = _split(mixes2d, scale32, base32, rms1d, config)
+
+    def kernel(mixes2d, rms1d):  # per data shard on a mesh (split_batch)
+        try:
+            if mixes2d.shape[0] == 0:
+                raise NotImplementedError("zero tokens")
+            # trace the kernel once here so an unsupported case surfaces before custom_vjp wraps it
+            jax.eval_shape(functools.partial(_kernel_split, hc=hc, iters=iters, eps=float(eps), target=target,
+                                             block_sizes=bs, interpret=interpret), mixes2d, scale32, base32, rms1d)
+        except NotImplementedError as e:
+            logger.warning("hc_split_sinkhorn: %s kernel does not handle mixes %s (%s); using the reference",
+                           target, mixes2d.shape, e)
+            m = mixes2d if rms1d is None else mixes2d * rms1d[:, None]
+            return _ref.hc_split_sinkhorn(m, scale32, base32, hc=hc, iters=iters, eps=eps)
+        return _split(mixes2d, scale32, base32, rms1d, config)
+
+    # tokens are batch-major, so the flattened rows split over `data` as the batch does
+    pre, post, comb = split_batch(kernel, (mixes2d, rms1d), (True, True), "hc_split_sinkhorn") if t else \
+        kernel(mixes2d, rms1d)
     return pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
 
 

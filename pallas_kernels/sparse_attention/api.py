@@ -4,7 +4,8 @@
 oracle), "pallas" (the kernel for `target`), or "auto" (the kernel on GPU/TPU, the reference on
 CPU). A shape the kernel does not handle falls back to the reference with a logged warning naming
 the shape and the reason; bad arguments raise ValueError first. Gradients come from the reference
-math in f32 (custom VJP).
+math in f32 (custom VJP). On a mesh that splits `data` the kernel runs per batch shard
+(`_dispatch.split_batch`).
 
 `accumulate` is the precision: "f64" (the default) is the float64 oracle's rounding, which only
 the reference computes: the kernels are f32 (an f32-accurate result rounds 0.04-0.2% of outputs to
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import resolve as _resolve
+from pallas_kernels._dispatch import split_batch
 from pallas_kernels.sparse_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.sparse_attention import reference as _ref
 
@@ -177,15 +179,19 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
                    "sparse_attn: the %s kernel computes in f32, float64 rounding was asked for (q %s); "
                    "using the reference in float64", target, q.shape)
         return reference()
-    b, m, h, d = q.shape
-    bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1], h)
-    config = (float(scale), target, bs, interpret)
-    try:
-        # trace once here so an unsupported case surfaces (and falls back) outside custom_vjp
-        jax.eval_shape(functools.partial(_run_kernel, scale=float(scale), target=target, bs=bs,
-                                         interpret=interpret), q, kv, attn_sink, idx)
-    except NotImplementedError as e:
-        logger.warning("sparse_attn: %s kernel does not handle q %s kv %s idx %s (%s); using the reference",
-                       target, q.shape, kv.shape, idx.shape, e)
-        return reference()
-    return _attn(q, kv, attn_sink, idx, config)
+
+    def kernel(q, kv, attn_sink, idx):  # per data shard on a mesh (split_batch)
+        b, m, h, d = q.shape
+        bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1], h)
+        config = (float(scale), target, bs, interpret)
+        try:
+            # trace once here so an unsupported case surfaces (and falls back) outside custom_vjp
+            jax.eval_shape(functools.partial(_run_kernel, scale=float(scale), target=target, bs=bs,
+                                             interpret=interpret), q, kv, attn_sink, idx)
+        except NotImplementedError as e:
+            logger.warning("sparse_attn: %s kernel does not handle q %s kv %s idx %s (%s); using the reference",
+                           target, q.shape, kv.shape, idx.shape, e)
+            return _ref.sparse_attn(q, kv, attn_sink, idx, float(scale), accumulate=accumulate)
+        return _attn(q, kv, attn_sink, idx, config)
+
+    return split_batch(kernel, (q, kv, attn_sink, idx), (True, True, False, True), "sparse_attn")
