@@ -69,7 +69,7 @@ PATHS = {"fast": ("auto", "auto"), "fast-f32": ("auto", "f32"), "reference": ("r
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto") -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
-    run = dict(max_batch_size=batch, max_seq_len=context, kernels=kernels, attn_accumulate=attn_accumulate)
+    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate}
     if tiny:
         return ModelArgs.tiny(**_NO_EXTRAS).replace(n_layers=6, **run, **_LAYOUT)
     return ModelArgs.from_json(RELEASED, n_layers=6, **run, **_LAYOUT, **_NO_EXTRAS)

@@ -137,7 +137,7 @@ def results():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(TESTS)], capture_output=True, text=True, env=env,
-                          timeout=600)
+                          timeout=600, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
