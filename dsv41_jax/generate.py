@@ -361,22 +361,24 @@ def checkpoint_args(ckpt: str | os.PathLike, **overrides) -> ModelArgs:
     return ModelArgs.from_json(cfg, **overrides)
 
 
-def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size: int, mesh: Mesh | None = None):
+def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size: int, mesh: Mesh | None = None,
+                      **overrides):
     """A model from a dsv41-convert output directory (restored straight into its shardings on
     `mesh`, default `sharding.default_mesh_spec` over all devices), or from a hub-format directory
     (config.json or inference/config.json + safetensors shards, plus engram_map.npy when the config
     has Engram layers; every weight loaded on the host, then placed by `Generator`: for tiny and
-    test checkpoints)."""
+    test checkpoints). overrides: further runtime fields of `ModelArgs` (e.g. kernels,
+    attn_accumulate)."""
     from dsv41_jax.loading import load_hub_weights
     from dsv41_jax.model import Transformer
     from dsv41_jax.parity import NOT_IN_TEXT_MODEL
 
     d = Path(ckpt)
-    args = checkpoint_args(d, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    args = checkpoint_args(d, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **overrides)
     if _is_converted(d):
         from dsv41_jax.checkpoint_io import load_converted
 
-        return load_converted(d, mesh, max_seq_len=max_seq_len, max_batch_size=max_batch_size)[0]
+        return load_converted(d, mesh, max_seq_len=max_seq_len, max_batch_size=max_batch_size, **overrides)[0]
     if not (d / "model.safetensors.index.json").exists():
         raise FileNotFoundError(f"--ckpt {d}: no model.safetensors.index.json (expected a hub-format checkpoint)")
     model = Transformer(args)
@@ -495,6 +497,11 @@ def main(argv=None) -> int:
     p.add_argument("--coordinator", help="multi-host: HOST:PORT of process 0 (default: detected by jax)")
     p.add_argument("--num-processes", type=int, help="multi-host: number of processes (default: detected by jax)")
     p.add_argument("--process-id", type=int, help="multi-host: this process's index (default: detected by jax)")
+    p.add_argument("--kernels", choices=("auto", "reference", "pallas"), default="auto",
+                   help="ModelArgs.kernels: the Pallas kernels on GPU/TPU (auto), the jnp references, or the kernels")
+    p.add_argument("--attn-accumulate", choices=("auto", "f64", "f32"), default="auto",
+                   help="ModelArgs.attn_accumulate: the sparse attention in float64, the golden oracle's rounding "
+                        "(auto, except on TPU), or in f32 (faster: the attention kernel where --kernels picks it)")
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan per device for --mesh, --max-seq-len, --batch and exit")
     p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")
@@ -524,9 +531,10 @@ def main(argv=None) -> int:
         init_distributed(ns.distributed, coordinator=ns.coordinator, num_processes=ns.num_processes,
                          process_id=ns.process_id)
         batch = max(1, len(prompts))
-        args = checkpoint_args(ns.ckpt, max_seq_len=ns.max_seq_len, max_batch_size=batch)
+        runtime = {"kernels": ns.kernels, "attn_accumulate": ns.attn_accumulate}
+        args = checkpoint_args(ns.ckpt, max_seq_len=ns.max_seq_len, max_batch_size=batch, **runtime)
         mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)
-        model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh)
+        model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh, **runtime)
         gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat, mesh=mesh,
                         prefill_chunk=ns.prefill_chunk, min_context_bucket=ns.min_context_bucket or None)
         res = gen.generate(prompts, ns.max_new_tokens, params, jax.random.key(ns.seed), tuple(ns.eos_id),

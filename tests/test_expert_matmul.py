@@ -233,8 +233,16 @@ def test_subnormal_decode_is_wrong_where_subnormals_flush():
     sub = np.concatenate([np.asarray(sub_f(words, j)) for j in range(8)])
     sel = np.concatenate([np.asarray(jax.jit(kernel_gpu._e2m1_f32)((words >> (4 * j)) & 0xF)) for j in range(8)])
     assert np.any(sub != sel) and np.all(sel[np.abs(sub - sel) > 0] == 0.5 * np.sign(sel[np.abs(sub - sel) > 0]))
+
+
+def test_block_size_defaults():
     assert api.BlockSizes().resolved(16, 64, 256, interpret=True).decode == "select"
     assert api.BlockSizes().resolved(16, 64, 256, interpret=False).decode == "pairs"
+    # released w1 (N 2304, K 5120): one token (6 tiles) 128-column blocks, eight tokens 64
+    one, eight = (api.BlockSizes().resolved(16, 2304, 5120, tiles=t) for t in (6, 48))
+    assert (one.block_n, one.block_k, eight.block_n, eight.block_k) == (128, 512, 64, 512)
+    big = api.BlockSizes().resolved(128, 2304, 5120, tiles=100)  # prefill tiles: 128 x 128 fits shared memory
+    assert (big.block_n, big.block_k) == (128, 128)
 
 
 @needs_gpu

@@ -228,6 +228,21 @@ def test_cli_errors_name_the_problem(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_cli_passes_the_kernel_and_attention_precision_choices_to_the_model(monkeypatch, capsys):
+    seen = {}
+
+    def stub(ckpt, max_seq_len, max_batch_size, mesh=None, **overrides):
+        seen.update(overrides)
+        raise ValueError("stub: stop before loading")
+
+    monkeypatch.setattr(G, "load_for_generate", stub)
+    argv = ["--ckpt", str(TINY), "--prompt-ids", "[[1]]", "--kernels", "reference", "--attn-accumulate", "f32"]
+    assert G.main(argv) == 2 and "stub: stop" in capsys.readouterr().err
+    assert seen == {"kernels": "reference", "attn_accumulate": "f32"}
+    with pytest.raises(SystemExit):
+        G.main(["--ckpt", str(TINY), "--attn-accumulate", "bf16"])
+
+
 def test_cli_rejects_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
     assert G.main(["--ckpt", str(tmp_path), "--prompt-ids", "[[1]]"]) == 2
     assert "no config.json" in capsys.readouterr().err
