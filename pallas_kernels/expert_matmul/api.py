@@ -23,8 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._dispatch import resolve as _resolve
-from pallas_kernels._dispatch import split_batch
+from pallas_kernels._dispatch import gpu_kernel, split_batch
 from pallas_kernels._triton import fit_block
 from pallas_kernels.expert_matmul import kernel_gpu
 from pallas_kernels.expert_matmul import reference as _ref
@@ -84,14 +83,9 @@ def _validate(x, w, s, what: str):
         raise ValueError(f"{what}: s must be e8m0 [E, N, K/32] = {(*w.shape[:2], k // 32)}, got {s.shape=}")
 
 
-def _kernel_or_none(x, w, s, te, row0, valid, rows, implementation, interpret, block_sizes):
-    """The kernel's output, or None when the reference must run (CPU / TPU / unsupported shape)."""
-    use_kernel, target = _resolve(implementation, None, interpret)
-    if not use_kernel:
-        return None
-    if target != "gpu":
-        logger.warning("expert_matmul: no %s kernel; using the reference", target)
-        return None
+def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
+    """The kernel's output, or None when the reference must run (a shape the kernel refuses);
+    callers check `gpu_kernel` first."""
     bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret, te.shape[0])
     try:
         return kernel_gpu.expert_matmul(
@@ -112,8 +106,7 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
     r = x.shape[0]
     if expert.shape != (r,):
         raise ValueError(f"gather_matmul: expert must be [R={r}], got {expert.shape=}")
-    use_kernel, _ = _resolve(implementation, None, interpret)
-    if not use_kernel or r == 0:
+    if r == 0 or not gpu_kernel(implementation, interpret, "expert_matmul"):
         return _ref.gather_matmul(x, w, s, expert)
 
     def local(x, expert):  # per data shard on a mesh (split_batch): pairs are token-major
@@ -122,7 +115,7 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
         xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
         ar = jnp.arange(r, dtype=jnp.int32)
         out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
-                              implementation, interpret, block_sizes)
+                              interpret, block_sizes)
         return _ref.gather_matmul(x, w, s, expert) if out is None else out[:r]
 
     return split_batch(local, (x, expert), (True, True), "gather_matmul")
@@ -161,8 +154,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Ar
     rows); tiles from `grouped_tiles` -> bf16 [M, N]: row i of tile t is x[i] @ dequant(w[e_t])^T.
     Rows no live tile covers are 0 on the reference path and undefined on the kernel path."""
     _validate(x, w, s, "grouped_matmul")
-    out = _kernel_or_none(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile, implementation, interpret,
-                          block_sizes)
+    out = None
+    if gpu_kernel(implementation, interpret, "expert_matmul"):
+        out = _kernel_or_none(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile, interpret, block_sizes)
     if out is None:
         return _ref.grouped_matmul(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile)
     return out

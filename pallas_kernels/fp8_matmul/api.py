@@ -26,8 +26,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import quant
 from dsv41_jax.numerics import to_bf16
-from pallas_kernels._dispatch import resolve as _resolve
-from pallas_kernels._dispatch import split_batch
+from pallas_kernels._dispatch import gpu_kernel, split_batch
 from pallas_kernels._triton import fit_block
 from pallas_kernels.fp8_matmul import kernel_gpu
 from pallas_kernels.fp8_matmul import reference as _ref
@@ -85,14 +84,9 @@ def _validate(x, w, s):
         raise ValueError(f"fp8_matmul: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, w, s, implementation, interpret, block_sizes):
-    """The kernel's output, or None when the reference must run (CPU / TPU / unsupported shape)."""
-    use_kernel, target = _resolve(implementation, None, interpret)
-    if not use_kernel:
-        return None
-    if target != "gpu":
-        logger.warning("fp8_matmul: no %s kernel; using the reference", target)
-        return None
+def _kernel_or_none(x, w, s, interpret, block_sizes):
+    """The kernel's output, or None when the reference must run (a shape the kernel refuses);
+    callers check `gpu_kernel` first."""
     m, k = x.shape
     bs = (block_sizes or BlockSizes()).resolved(m, w.shape[0], k)
     try:
@@ -112,7 +106,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Impl
     s e8m0 [ceil(N/32), ceil(K/32)] -> bf16 [M, N] = x @ dequant(w)^T, fp32 accumulation, one
     bf16 rounding."""
     _validate(x, w, s)
-    out = _kernel_or_none(x, w, s, implementation, interpret, block_sizes)
+    out = _kernel_or_none(x, w, s, interpret, block_sizes) if gpu_kernel(implementation, interpret, "fp8_matmul") \
+        else None
     return _ref.fp8_matmul(x, w, s) if out is None else out
 
 
@@ -126,8 +121,7 @@ def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implemen
     splits `data` the leading dim is split (`_dispatch.split_batch`) and `max_rows` applies to
     each shard's rows."""
     bs = block_sizes or BlockSizes()
-    use_kernel, _ = _resolve(implementation, None, interpret)
-    if not use_kernel or x.size == 0:
+    if x.size == 0 or not gpu_kernel(implementation, interpret, "fp8_matmul"):
         return quant.linear_fp8(x, w, s)
 
     def local(x, w, s):  # per data shard on a mesh (split_batch): the row count is the shard's
@@ -136,7 +130,7 @@ def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implemen
             return quant.linear_fp8(x, w, s)
         xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
         _validate(xq, w, s)
-        out = _kernel_or_none(xq, w, s, implementation, interpret, bs)
+        out = _kernel_or_none(xq, w, s, interpret, bs)
         if out is None:
             return quant.linear_fp8(x, w, s)
         return out.reshape(*x.shape[:-1], w.shape[0])

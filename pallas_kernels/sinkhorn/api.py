@@ -122,12 +122,12 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
     for n in lead:
         t *= n
 
-    def reference():
+    def reference(mixes, rms, scale=scale, base=base):
         m = mixes if rms is None else mixes * rms[..., None]
         return _ref.hc_split_sinkhorn(m, scale, base, hc=hc, iters=iters, eps=eps)
 
     if not use_kernel:
-        return reference()
+        return reference(mixes, rms)
     bs = block_sizes or BlockSizes.get_default(target)
     mixes2d = mixes.astype(jnp.float32).reshape(t, mixes.shape[-1])
     rms1d = None if rms is None else rms.astype(jnp.float32).reshape(t)
@@ -144,8 +144,7 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
         except NotImplementedError as e:
             logger.warning("hc_split_sinkhorn: %s kernel does not handle mixes %s (%s); using the reference",
                            target, mixes2d.shape, e)
-            m = mixes2d if rms1d is None else mixes2d * rms1d[:, None]
-            return _ref.hc_split_sinkhorn(m, scale32, base32, hc=hc, iters=iters, eps=eps)
+            return reference(mixes2d, rms1d, scale32, base32)
         return _split(mixes2d, scale32, base32, rms1d, config)
 
     # tokens are batch-major, so the flattened rows split over `data` as the batch does

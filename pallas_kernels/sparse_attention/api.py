@@ -168,17 +168,17 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
         raise ValueError(f"accumulate must be 'f32' or 'f64', got {accumulate=}")
     use_kernel, target = _resolve(implementation, target, interpret)
 
-    def reference():
+    def reference(q, kv, attn_sink, idx):
         return _ref.sparse_attn(q, kv, attn_sink, idx, float(scale), accumulate=accumulate)
 
     if not use_kernel:
-        return reference()
+        return reference(q, kv, attn_sink, idx)
     if accumulate == "f64":
         # "auto" meets this on every GPU/TPU trace of the model (its default): a note, not a warning
         logger.log(logging.INFO if implementation == "auto" else logging.WARNING,
                    "sparse_attn: the %s kernel computes in f32, float64 rounding was asked for (q %s); "
                    "using the reference in float64", target, q.shape)
-        return reference()
+        return reference(q, kv, attn_sink, idx)
 
     def kernel(q, kv, attn_sink, idx):  # per data shard on a mesh (split_batch)
         b, m, h, d = q.shape
@@ -191,7 +191,7 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
         except NotImplementedError as e:
             logger.warning("sparse_attn: %s kernel does not handle q %s kv %s idx %s (%s); using the reference",
                            target, q.shape, kv.shape, idx.shape, e)
-            return _ref.sparse_attn(q, kv, attn_sink, idx, float(scale), accumulate=accumulate)
+            return reference(q, kv, attn_sink, idx)
         return _attn(q, kv, attn_sink, idx, config)
 
     return split_batch(kernel, (q, kv, attn_sink, idx), (True, True, False, True), "sparse_attn")
