@@ -37,6 +37,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -126,7 +127,7 @@ def unique_experts(n_experts: int, k: int, tokens: int) -> float:
 
 
 def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
-                tokens_per_row: int = 1) -> tuple[float, float]:
+                tokens_per_row: int = 1, n_unique: float | None = None) -> tuple[float, float]:
     """(bytes, flops) of one layer for one decode step of `batch` rows at `context`
     (tokens_per_row=1), or a prefill of `tokens_per_row` tokens of one row (batch=1).
 
@@ -134,7 +135,8 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
       * the layer's dense weights once (attention / compressor / indexer projections in their
         stored dtypes, router, shared expert, norms, hyper-connection weights);
       * the routed experts hit: unique_experts(E, k, batch * tokens) x bytes of one expert
-        (fp4 codes + e8m0 scales of w1, w2, w3); at batch 1, 6 experts;
+        (fp4 codes + e8m0 scales of w1, w2, w3); at batch 1, 6 experts; `n_unique` replaces the
+        uniform-routing estimate by a count of the experts a step actually routed to;
       * the cache: the window ring (B x window x hd bf16); at a layer that scores indices (kv
         source or reindex) the index keys B x (T/r) x ihd bf16 (the decode scores the full
         width); at a compressed layer the gathered top-k latent rows B x topk x hd bf16.
@@ -160,7 +162,8 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
     else:
         keys = context / r if r else 0
         attn_pos = a.window_size + (a.index_topk if r else 0)
-    by = lp["dense"] + unique_experts(n_exp, k, tokens) * lp["per_expert"]
+    hit = unique_experts(n_exp, k, tokens) if n_unique is None else n_unique
+    by = lp["dense"] + hit * lp["per_expert"]
     if not prefill:
         by += batch * a.window_size * hd * 2
         if scores:
@@ -196,13 +199,23 @@ _random_leaf_jit = jax.jit(_random_leaf, static_argnums=(1, 2))
 
 
 def random_model(args: ModelArgs, seed: int = 0):
-    """(graphdef, state) with random weights made on the default device, leaf by leaf."""
+    """(graphdef, state) with random weights made on the default device, leaf by leaf.
+
+    The routers' balancing biases are zero: random ones (N(0, 0.02)) outweigh the spread of the
+    routing scores that random weights give (the normed activations are small), so every token
+    would pick the experts with the largest biases (measured on the H200 at full width: 25-38
+    distinct experts for 64 tokens instead of about 245), and a decode step would read far
+    fewer expert bytes than the released model's routing does."""
     abstract = nnx.eval_shape(lambda: Transformer(args))
     graphdef, state = nnx.split(abstract)
-    leaves, treedef = jax.tree.flatten(state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     key = jax.random.key(seed)
     out = []
-    for i, leaf in enumerate(leaves):
+    for i, (path, leaf) in enumerate(flat):
+        names = [str(getattr(p, "key", p)) for p in path]
+        if names[-3:-1] == ["gate", "bias"] or names[-2:] == ["gate", "bias"]:
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+            continue
         k = jax.random.fold_in(key, i)
         out.append(_random_leaf_jit(k, tuple(leaf.shape), jnp.dtype(leaf.dtype)))
     return graphdef, jax.tree.unflatten(treedef, out)
@@ -438,11 +451,23 @@ def _decode_fn(graphdef, context_bound=None):
     return jax.jit(step, donate_argnums=(3,))
 
 
+def routed_experts(graphdef, state, ids, pos, cache, context_bound=None) -> list[int]:
+    """Distinct routed experts each layer's MoE picks in this decode step (its `route_idx`)."""
+    def route(state, ids, pos, cache):
+        record = nnx.merge(graphdef, state).decode_step(ids, pos, cache, collect=True,
+                                                        context_bound=context_bound)[2]
+        return {k: v for k, v in record.items() if k.startswith("route_idx.")}
+    got = jax.jit(route)(state, ids, pos, cache)
+    return [len(np.unique(np.asarray(got[k]))) for k in sorted(got)]
+
+
 def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=(), cache_len=None,
-                   bound=True):
+                   bound=True, measure_routing=False):
     """Decode rows. cache_len: the caches hold this many positions (default: the context); with
     `bound` the step gets the Generator's context bound (`generate.context_bucket`), so the
-    indexers score only the rows the context can see, else every cached row. Rows record both."""
+    indexers score only the rows the context can see, else every cached row. Rows record both.
+    measure_routing: the row's bytes count the experts the step routes to (`routed_experts`, one
+    extra compiled step) instead of the uniform-routing estimate, which is recorded beside."""
     for context in contexts:
         for batch in batches:
             for path in paths:
@@ -461,6 +486,14 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     # then far fewer experts are read than `unique_experts` counts
                     ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
                     pos = cache["seq_len"]
+                    if measure_routing:
+                        hit = routed_experts(graphdef, state, ids, pos, cache, context_bound)
+                        counts = [count_layer(args, i, pb, batch, context, n_unique=hit[i])
+                                  for i in range(args.n_layers)]
+                        uniform, by = by, sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]
+                        extra = {"bytes_uniform_routing": uniform, "unique_experts_measured": hit}
+                    else:
+                        extra = {}
                     f = _decode_fn(graphdef, context_bound)
                     t0 = time.perf_counter()
                     _, cache = f(state, ids, pos, cache)
@@ -475,9 +508,12 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     t = timeit(call, iters=5 if not tiny else 2)
                     rep.add(name=name, batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                             fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
-                            tokens_per_s=round(batch / t, 1), cache_len=cache_len_row, context_bound=context_bound)
+                            tokens_per_s=round(batch / t, 1), cache_len=cache_len_row, context_bound=context_bound,
+                            **extra)
                     if (batch, context, path) in profile_for:
-                        profile_rows(rep, call, name, batch, context)
+                        hlo = f.lower(state, ids, pos, holder["cache"]).compile().as_text()
+                        _save_hlo(rep, f"decode_{batch}x{context}", hlo)
+                        profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo))
                     if (batch, context, path) in layers_for:
                         layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path)
                     del holder, cache, state
@@ -488,9 +524,99 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 _speedup(rep, f"decode", batch, context)
 
 
-def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14):
+def hlo_sources(hlo_text: str) -> dict:
+    """Optimized-HLO instruction name -> the project source line that emitted it ("attention.py:
+    318 _index_scores_block"), from the instruction's metadata (the module's stack-frame tables;
+    older XLA: source_file / source_line). A fusion without its own takes the line most of its
+    fused instructions came from; with no project line at all, the op_name path without the
+    jit and layer scopes ("sparse_attn/take_along_axis/gather"). Profiled kernels are named
+    after these instructions ("." and "-" as "_"; Pallas kernels by their pallas_call name)."""
+    tables: dict = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section = None
+    insts = []  # (name, metadata text, called computation or None, enclosing computation)
+    comp = None
+    inst = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
+    for line in hlo_text.splitlines():
+        head = line.strip()
+        if head in tables:
+            section = tables[head]
+            continue
+        if section is not None:
+            m = re.match(r'^(\d+) (.*)$', head)
+            if m:
+                section[int(m.group(1))] = m.group(2)
+                continue
+            section = None
+        if head.endswith("{") and not line.startswith(" "):
+            comp = re.sub(r"^(ENTRY )?%?", "", head).split(" ")[0]
+            continue
+        m = inst.match(line)
+        if m:
+            meta = re.search(r"metadata=\{([^}]*)\}", m.group(2))
+            calls = re.search(r"calls=%?([\w.\-]+)", m.group(2))
+            insts.append((m.group(1), meta.group(1) if meta else "", calls.group(1) if calls else None, comp))
+
+    def field(text, key):
+        m = re.search(key + r'=("([^"]*)"|\d+)', text)
+        return None if m is None else (m.group(2) if m.group(2) is not None else int(m.group(1)))
+
+    ours = ("dsv41_jax", "pallas_kernels")
+
+    def line_of(meta):
+        if (f := field(meta, "source_file")) is not None and any(o in f for o in ours):
+            return f"{Path(f).name}:{field(meta, 'source_line')}"
+        row = tables["StackFrames"].get(field(meta, "stack_frame_id"))
+        if row is None:
+            return None
+        loc = tables["FileLocations"].get(field(row, "file_location_id"), "")
+        name = tables["FileNames"].get(field(loc, "file_name_id"), "")
+        if not any(o in name for o in ours):
+            return None
+        fn = tables["FunctionNames"].get(field(loc, "function_name_id"), '""').strip('"')
+        return f"{Path(name.strip(chr(34))).name}:{field(loc, 'line')} {fn}"
+
+    def scope_of(meta):
+        op = field(meta, "op_name")
+        if not op:
+            return None
+        parts = [re.sub(r"^jit\((.*)\)$", r"\1", q) for q in op.split("/")]
+        return "/".join(q for q in parts[1:] if not re.fullmatch(r"layer_\d+|main|run|step", q)) or None
+
+    by_comp: dict = {}
+    for name, meta, _, c in insts:
+        by_comp.setdefault(c, []).append(meta)
+    result = {}
+    for name, meta, calls, _ in insts:
+        src = line_of(meta)
+        inner = by_comp.get(calls, [])
+        if src is None and inner:
+            lines = [v for v in map(line_of, inner) if v]
+            src = max(set(lines), key=lines.count) if lines else None
+        if src is None:
+            scopes = [v for v in map(scope_of, [meta, *inner]) if v]
+            src = max(set(scopes), key=scopes.count) if scopes else None
+        if src:
+            result[re.sub(r"[.\-]", "_", name)] = src
+    return result
+
+
+def _source_of(sources: dict, op: str) -> str | None:
+    """`hlo_sources` entry of a profiled kernel name (a sort's kernels add a "_0" suffix)."""
+    return sources.get(op) or sources.get(re.sub(r"_\d+$", "", op))
+
+
+def _save_hlo(rep, name: str, text: str):
+    import gzip
+
+    (rep.out / f"hlo_{name}.txt.gz").write_bytes(gzip.compress(text.encode()))
+
+
+def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None):
     """Device time of one call from a jax.profiler trace: the total over the GPU stream lines,
-    and the ops taking the most time (XLA op names; Pallas kernels by their names)."""
+    and the ops taking the most time (XLA op names; Pallas kernels by their names). With
+    `sources` (`hlo_sources`), also the time per emitting source line, and every op's time,
+    launches and source in profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json
+    (and the optimized HLO, gzipped, beside it)."""
     import glob
     import tempfile
 
@@ -505,6 +631,7 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14):
             return
         data = jax.profiler.ProfileData.from_file(files[0])
         per_op: dict = {}
+        launches: dict = {}
         stream_ns = 0
         for plane in data.planes:
             if "gpu" not in plane.name.lower():
@@ -515,11 +642,27 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14):
                 for ev in line.events:
                     stream_ns += ev.duration_ns
                     per_op[ev.name] = per_op.get(ev.name, 0) + ev.duration_ns
+                    launches[ev.name] = launches.get(ev.name, 0) + 1
     rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / reps, bytes=0,
-            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(1 for _ in per_op)))
+            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / reps))
     for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
         rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0, flops=0,
                 fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3))
+    if sources is None:
+        return
+    by_src: dict = {}
+    for op, ns in per_op.items():
+        src = _source_of(sources, op) or "(no source: " + op.rstrip("_0123456789") + ")"
+        t, n = by_src.get(src, (0, 0))
+        by_src[src] = (t + ns, n + launches[op])
+    for src, (ns, n) in sorted(by_src.items(), key=lambda kv: -kv[1][0])[:top]:
+        rep.add(name=f"  src {src[:58]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0,
+                flops=0, fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
+                launches_per_step=round(n / reps))
+    table = [{"op": op, "us_per_step": round(ns / reps / 1e3, 2), "launches_per_step": launches[op] / reps,
+              "source": _source_of(sources, op)} for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
+    tag = name.split()[0]  # "decode" / "prefill"
+    (rep.out / f"profile_{tag}_{batch}x{context}.json").write_text(json.dumps(table, indent=1))
 
 
 def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path):
@@ -554,7 +697,7 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
         x, pre, shared, layers[i] = x2, pre2, shared2, holder["c"]
 
 
-def prefill_section(rep, ceil, tiny, lengths, paths):
+def prefill_section(rep, ceil, tiny, lengths, paths, profile_for=()):
     for s in lengths:
         for path in paths:
             args = bench_args(tiny, 1, s, *PATHS[path])
@@ -574,11 +717,17 @@ def prefill_section(rep, ceil, tiny, lengths, paths):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(state, ids, cache))
                 compile_s = time.perf_counter() - t0
-                t = timeit(lambda: f(state, ids, cache)[0], warmup=1, iters=2 if not tiny else 1, repeats=2)
+                call = functools.partial(lambda f, *a: f(*a)[0], f, state, ids, cache)
+                t = timeit(call, warmup=1, iters=2 if not tiny else 1, repeats=2)
                 rep.add(name=f"prefill {path}", batch=1, context=s, seconds=t, bytes=by, flops=fl,
                         fraction_of_ceiling=fl / t / ceil["bf16"], ceiling="bf16", compile_s=round(compile_s, 1),
                         tokens_per_s=round(s / t, 1))
-                del state, cache
+                if (s, path) in profile_for:
+                    hlo = f.lower(state, ids, cache).compile().as_text()
+                    _save_hlo(rep, f"prefill_{s}", hlo)
+                    profile_rows(rep, call, f"prefill {path}", 1, s, reps=1, top=24,
+                                 sources=hlo_sources(hlo))
+                del state, cache, call
             except Exception as e:  # noqa: BLE001
                 rep.add(name=f"prefill {path}", batch=1, context=s, seconds=None, bytes=by, flops=fl,
                         fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -616,12 +765,15 @@ def main(argv=None) -> int:
     p.add_argument("--layers-for", default="1x4096,64x4096",
                    help="BxT decode shapes that also get per-layer times (fast path; add :reference)")
     p.add_argument("--profile-for", default="1x4096,64x4096", help="BxT decode shapes profiled (fast path)")
+    p.add_argument("--profile-prefill", default="", help="prefill lengths profiled (fast path)")
     p.add_argument("--reference-contexts", default=None, help="decode contexts timed on the reference path too")
     p.add_argument("--reference-prefill", default=None, help="prefill lengths timed on the reference path too")
     p.add_argument("--cache-len", type=int, default=None,
                    help="decode caches of this many positions (default: each row's context)")
     p.add_argument("--no-context-bound", action="store_true",
                    help="decode steps score every cached index key (no Generator context bound)")
+    p.add_argument("--measure-routing", action="store_true",
+                   help="decode bytes from the experts each step routes to (default: uniform routing)")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -669,10 +821,11 @@ def main(argv=None) -> int:
             for batch in batches:
                 ps = [v for v in paths if v != "reference" or (batch in ref_b and context in ref_ctx)]
                 decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for,
-                               ns.cache_len, not ns.no_context_bound)
+                               ns.cache_len, not ns.no_context_bound, ns.measure_routing)
         if n_ctx == 0 and "prefill" in sections:
             for s_len in lengths:
-                prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre])
+                prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre],
+                                {(v, "fast") for v in _ints(ns.profile_prefill)})
     print(f"wrote {Path(ns.out) / 'model_speed.json'}")
     return 0
 

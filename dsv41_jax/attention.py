@@ -570,11 +570,12 @@ class Attention(nnx.Module):
         """o bf16 [b, s, H, hd] -> bf16 [b, s, dim]: de-rotate, grouped low-rank wo_a, then wo_b."""
         b, s = o.shape[:2]
         o = apply_rope(o, cos, sin, self.rope_dim, inverse=True)
-        o = round_bf16(o).reshape(b, s, self.n_groups, -1)
-        wo_a = self.wo_a.weight[...].astype(_F32).reshape(self.n_groups, self.o_lora_rank, -1)
-        # block-diagonal over groups: group g only sees its own heads. bf16 values in (products
-        # exact in f32), f32 sums, one rounding to bf16
-        y = to_bf16(jnp.einsum("bsgd,grd->bsgr", o, wo_a, precision=_HIGHEST, preferred_element_type=_F32))
+        o = to_bf16(o).reshape(b, s, self.n_groups, -1)
+        wo_a = self.wo_a.weight[...].reshape(self.n_groups, self.o_lora_rank, -1)
+        # block-diagonal over groups: group g only sees its own heads. One bf16 einsum with f32
+        # accumulation (every product of two bf16 values is exact in f32, so this forms the f32
+        # sum that an f32 einsum of the same values forms, at the bf16 matmul rate), one rounding
+        y = to_bf16(jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=_F32))
         return self.wo_b(y.reshape(b, s, self.n_groups * self.o_lora_rank))
 
     def compressed_prefill(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array,
