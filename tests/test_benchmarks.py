@@ -1,0 +1,37 @@
+"""Helpers of benchmarks/model_speed.py that decide what its rows report (no timing here):
+the profile's source attribution and the random model's routing, whose byte counts the decode
+rows' fractions of the bandwidth rest on."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import model_speed
+from dsv41_jax.layers import rms_norm
+
+
+def test_hlo_sources_names_the_project_line_of_each_kernel():
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    w = jnp.ones((256,), jnp.bfloat16)
+    text = jax.jit(lambda x, w: rms_norm(x, w, 1e-6)).lower(x, w).compile().as_text()
+    src = model_speed.hlo_sources(text)
+    assert src and all("." not in name for name in src)  # kernel names: "." and "-" become "_"
+    assert any(v.startswith("layers.py:") and v.endswith("rms_norm") for v in src.values()), src
+
+
+def test_random_model_routes_tokens_across_the_experts():
+    """Zero router biases: 64 distinct tokens spread over the experts (with the random biases
+    the model had before, the same tokens picked 2-4 of the 8 experts of each layer)."""
+    args = model_speed.bench_args(True, 64, 64, "reference")
+    graphdef, state = model_speed.random_model(args)
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    biases = [v for p, v in flat if jax.tree_util.keystr(p).endswith("['gate']['bias'].value")]
+    assert len(biases) == args.n_layers and all(not np.any(np.asarray(b)) for b in biases)
+    cache = model_speed.seeded_cache(args, 64, 64)
+    ids = jax.random.randint(jax.random.key(3), (64,), 0, args.vocab_size)
+    hit = model_speed.routed_experts(graphdef, state, ids, cache["seq_len"], cache)
+    n_exp, _ = args.moe_experts(0)
+    assert len(hit) == args.n_layers
+    assert min(hit) >= n_exp - 1, hit  # uniform routing: 8 * (1 - (6/8)^64) = 8.0 expected
