@@ -28,7 +28,8 @@ Rows are printed as they finish and the JSON is rewritten after every row, so a 
 a time limit keeps what it measured. `--paths fast,reference` times the same rows with
 kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and records the
 speed-up; the path `fast-f32` is `fast` with `attn_accumulate="f32"` (the sparse attention in
-f32, on the Pallas kernel, instead of the float64 reference). `--tiny` runs the same script at tiny width on CPU (a bug check, not a measurement).
+f32, on the Pallas kernel, instead of the float64 reference). `--tiny` runs the same script at
+tiny width on CPU (a bug check, not a measurement).
 """
 
 from __future__ import annotations
@@ -179,6 +180,14 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
     return float(by), float(fl)
 
 
+def decode_bytes(args: ModelArgs, pb: dict, batch: int, context: int, hit: list | None = None):
+    """(per-layer `count_layer` results, bytes of the whole decode step: the layers, the embedding
+    rows and the bf16 head); `hit`: experts routed to per layer, else uniform routing."""
+    counts = [count_layer(args, i, pb, batch, context, n_unique=None if hit is None else hit[i])
+              for i in range(args.n_layers)]
+    return counts, sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]
+
+
 # ------------------------------------------------------------------------------- on-device init
 
 
@@ -212,12 +221,10 @@ def random_model(args: ModelArgs, seed: int = 0):
     key = jax.random.key(seed)
     out = []
     for i, (path, leaf) in enumerate(flat):
-        names = [str(getattr(p, "key", p)) for p in path]
-        if names[-3:-1] == ["gate", "bias"] or names[-2:] == ["gate", "bias"]:
+        if "['gate']['bias']" in jax.tree_util.keystr(path):
             out.append(jnp.zeros(leaf.shape, leaf.dtype))
-            continue
-        k = jax.random.fold_in(key, i)
-        out.append(_random_leaf_jit(k, tuple(leaf.shape), jnp.dtype(leaf.dtype)))
+        else:
+            out.append(_random_leaf_jit(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)))
     return graphdef, jax.tree.unflatten(treedef, out)
 
 
@@ -328,10 +335,8 @@ def ceilings(rep: Report, tiny: bool) -> dict:
 
 
 # expert_matmul.BlockSizes fields tried on one projection ({}: the defaults)
-KERNEL_VARIANTS = ({}, {"decode": "pairs"}, {"swap_ab": True}, {"decode": "pairs", "swap_ab": True},
-                   {"decode": "pairs", "block_n": 128}, {"decode": "pairs", "block_k": 512},
-                   {"decode": "pairs", "num_warps": 8}, {"decode": "pairs", "swap_ab": True, "block_n": 128},
-                   {"block_n": 64, "block_k": 512, "num_warps": 8}, {"decode": "select"})
+KERNEL_VARIANTS = ({}, {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64},
+                   {"num_warps": 8})
 
 
 def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0, variants=KERNEL_VARIANTS):
@@ -476,8 +481,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 args = bench_args(tiny, batch, cache_len_row, *PATHS[path])
                 context_bound = context_bucket(context, cache_len_row) if bound else None
                 pb = param_bytes(args)
-                counts = [count_layer(args, i, pb, batch, context) for i in range(args.n_layers)]
-                by = sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]  # embed rows, bf16 head
+                counts, by = decode_bytes(args, pb, batch, context)
                 fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
                 try:
                     graphdef, state = random_model(args)
@@ -488,10 +492,8 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     pos = cache["seq_len"]
                     if measure_routing:
                         hit = routed_experts(graphdef, state, ids, pos, cache, context_bound)
-                        counts = [count_layer(args, i, pb, batch, context, n_unique=hit[i])
-                                  for i in range(args.n_layers)]
-                        uniform, by = by, sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]
-                        extra = {"bytes_uniform_routing": uniform, "unique_experts_measured": hit}
+                        extra = {"bytes_uniform_routing": by, "unique_experts_measured": hit}
+                        counts, by = decode_bytes(args, pb, batch, context, hit)
                     else:
                         extra = {}
                     f = _decode_fn(graphdef, context_bound)
@@ -561,6 +563,7 @@ def hlo_sources(hlo_text: str) -> dict:
         return None if m is None else (m.group(2) if m.group(2) is not None else int(m.group(1)))
 
     ours = ("dsv41_jax", "pallas_kernels")
+    quote = '"'  # the tables quote their file names
 
     def line_of(meta):
         if (f := field(meta, "source_file")) is not None and any(o in f for o in ours):
@@ -573,7 +576,7 @@ def hlo_sources(hlo_text: str) -> dict:
         if not any(o in name for o in ours):
             return None
         fn = tables["FunctionNames"].get(field(loc, "function_name_id"), '""').strip('"')
-        return f"{Path(name.strip(chr(34))).name}:{field(loc, 'line')} {fn}"
+        return f"{Path(name.strip(quote)).name}:{field(loc, 'line')} {fn}"
 
     def scope_of(meta):
         op = field(meta, "op_name")

@@ -32,7 +32,6 @@ def resolve(implementation: str, target: str | None, interpret: bool) -> tuple[b
     return True, target
 
 
-
 def gpu_kernel(implementation: str, interpret: bool, name: str) -> bool:
     """`resolve` for a kernel that exists for GPUs only: True to run it; on a TPU the reference
     runs, with a logged warning naming `name`."""
@@ -40,6 +39,7 @@ def gpu_kernel(implementation: str, interpret: bool, name: str) -> bool:
     if use_kernel and target != "gpu":
         logger.warning("%s: no %s kernel; using the reference", name, target)
     return use_kernel and target == "gpu"
+
 
 def split_batch(fn, args, batched, name: str):
     """fn(*args), run once per `data` shard when the active mesh (`jax.set_mesh`) splits `data`.
