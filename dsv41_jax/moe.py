@@ -29,7 +29,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import pallas as pl
 
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
@@ -215,7 +214,7 @@ class Experts(nnx.Module):
         (`expert_matmul.grouped_tiles`). With the fp4 kernel (`use_kernel`) every projection is one
         `expert_matmul.grouped_matmul` over all tiles (16-row tiles while experts get few pairs
         each, as in decode batches: each live tile reads a whole expert, so small tiles waste no
-        rows; 128 rows for prefill-sized batches). Otherwise tiles of min(tile_rows, R) rows and a
+        rows; 64 or 128 rows for prefill-sized batches, `expert_matmul.tile_rows_for`). Otherwise tiles of min(tile_rows, R) rows and a
         `lax.scan` that dequantises one expert's three matrices per tile (`dense`) and runs `ffn`
         on its rows. Either way tiles no pair filled are skipped, so an expert's packed bytes are
         read once per tile it fills and never when no pair picked it."""
@@ -245,8 +244,7 @@ class Experts(nnx.Module):
     def _grouped_kernel(self, x, src, weights, e, n_e):
         """`grouped` through the fp4 kernel (same arguments and result)."""
         r, dim = src.shape[0], x.shape[-1]
-        c = 16 if r <= 16 * n_e else 128
-        c = max(16, min(c, pl.next_power_of_2(r)))
+        c = expert_matmul.tile_rows_for(r, n_e)
         order, te, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
         x_sorted, w_sorted = _sorted_rows(x, src, weights, order, c)
 

@@ -243,6 +243,18 @@ def test_block_size_defaults():
     assert (one.block_n, one.block_k, eight.block_n, eight.block_k) == (128, 512, 64, 512)
     big = api.BlockSizes().resolved(128, 2304, 5120, tiles=100)  # prefill tiles: 128 x 128 fits shared memory
     assert (big.block_n, big.block_k) == (128, 128)
+    # three pipeline stages for decode tiles, two for prefill tiles; an explicit choice is kept
+    assert (one.num_stages, big.num_stages, api.BlockSizes().resolved(64, 2304, 5120).num_stages) == (3, 2, 2)
+    assert api.BlockSizes(num_stages=4).resolved(128, 2304, 5120).num_stages == 4
+
+
+def test_tile_rows_follow_the_pairs_per_expert():
+    e = 384  # released experts; pairs = 6 per token
+    assert [api.tile_rows_for(6 * t, e) for t in (1, 8, 64, 256, 1024)] == [16] * 5  # decode batches
+    assert [api.tile_rows_for(6 * t, e) for t in (1025, 4096, 16384)] == [64] * 3  # 17 .. 256 pairs per expert
+    assert api.tile_rows_for(6 * 16385, e) == 128
+    assert api.tile_rows_for(40, 1) == 64 and api.tile_rows_for(20, 1) == 32  # never above next_pow2(R)
+    assert api.tile_rows_for(1, 1) == 16  # tensor-core minimum
 
 
 @needs_gpu

@@ -44,20 +44,24 @@ class BlockSizes:
     num_warps, num_stages: Triton launch parameters.
     decode: how the codes become bf16 (kernel_gpu's docstring): "select", "subnormal" (five
       integer operations a code through an fp32 subnormal) or "pairs" (inline PTX: a byte permute,
-      four integer operations and two packed bf16 multiplies per two codes). The decode's integer
-      work, not HBM, bounds the kernel. None: "pairs" for compiled GPU kernels (1.3-1.6x faster
-      than "subnormal" on the H200, benchmarks/README.md; exact: the compiled oracle tests pass),
+      four integer operations and two packed bf16 multiplies per two codes). With "pairs" the
+      decode no longer bounds the kernel: a variant that skips it (wrong values, timing only)
+      runs no faster at 1, 8 or 64 tokens (benchmarks/README.md, seventh run). None: "pairs" for
+      compiled GPU kernels (1.3-1.6x faster than "subnormal" on the H200; exact: the compiled
+      oracle tests pass),
       "select" in interpret mode (PTX has no CPU path; XLA on CPU flushes subnormals).
     Defaults measured on the released w1 (N 2304, K 5120) on the H200: at up to 16 rows per tile
-    block_k 512 (1.25-1.3x faster than 256 with "pairs") and 128-column blocks while the grid
-    stays under two waves of programs (one token: 48.9 against 60.5 µs), else 64 (eight tokens:
-    164 against 175 µs); larger tiles keep 128 x 128 (a 512-deep step would not fit shared
-    memory).
+    block_k 512 (1.25-1.3x faster than 256 with "pairs"), 3 stages (2 or 4: 1.04-1.12x slower)
+    and 128-column blocks while the grid stays under two waves of programs (one token: 48.9
+    against 60.5 µs), else 64 (eight tokens: 164 against 175 µs); larger tiles keep 128 x 128
+    (a 512-deep step would not fit shared memory) with 2 stages (64-row tiles at 4096 tokens:
+    w1 3539 against 3613 µs with 3 stages, w2 3343 against 3493; 128-row tiles 4368 against
+    5283; 4 stages and 1 stage slower; benchmarks/README.md).
     """
     block_n: int | None = None
     block_k: int | None = None
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int | None = None
     decode: str | None = None
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 1) -> BlockSizes:
@@ -67,8 +71,9 @@ class BlockSizes:
         wide = rows > 16 or tiles * n // 128 <= 2 * _SMS
         block_n = self.block_n or fit_block(128 if wide else 64, n, 16)
         block_k = self.block_k or fit_block(512 if rows <= 16 else 128, k, 128)
+        num_stages = self.num_stages or (3 if rows <= 16 else 2)
         decode = self.decode or ("select" if interpret else "pairs")
-        return dataclasses.replace(self, block_n=block_n, block_k=block_k, decode=decode)
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode)
 
 
 def _validate(x, w, s, what: str):
@@ -119,6 +124,25 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
         return _ref.gather_matmul(x, w, s, expert) if out is None else out[:r]
 
     return split_batch(local, (x, expert), (True, True), "gather_matmul")
+
+
+def tile_rows_for(pairs: int, n_experts: int) -> int:
+    """Rows per tile for `grouped_matmul` on the kernel path: R = `pairs` (token, expert) pairs
+    over `n_experts` experts (never more than the next power of 2 >= R, at least 16).
+
+    Every live tile decodes its expert's whole matrix, so small tiles pay decode work per row and
+    large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows while
+    experts get <= 16 pairs on average (decode batches); 64 up to 256 pairs per expert (prefill of
+    4096 tokens: 64 on average, so 128-row tiles were half padding; measured on the H200 with the
+    released w1 / w2: 1.49x / 1.60x faster than 128 rows at 4096 tokens, 1.23x / 1.28x at 16384;
+    32 rows: 1.3-1.4x slower than 64), and 128 beyond, where the padding share is small."""
+    if pairs <= 16 * n_experts:
+        c = 16
+    elif pairs <= 256 * n_experts:
+        c = 64
+    else:
+        c = 128
+    return max(16, min(c, 1 << max(pairs - 1, 0).bit_length()))
 
 
 def grouped_tiles(indices: jax.Array, n_experts: int, tile_rows: int):
