@@ -31,7 +31,9 @@ def test_random_model_routes_tokens_across_the_experts():
     assert len(biases) == args.n_layers and all(not np.any(np.asarray(b)) for b in biases)
     cache = model_speed.seeded_cache(args, 64, 64)
     ids = jax.random.randint(jax.random.key(3), (64,), 0, args.vocab_size)
-    hit = model_speed.routed_experts(graphdef, state, ids, cache["seq_len"], cache)
+    pos = cache["seq_len"]
+    hit, cache = model_speed.routed_experts(graphdef, state, ids, pos, cache)
     n_exp, _ = args.moe_experts(0)
     assert len(hit) == args.n_layers
+    np.testing.assert_array_equal(cache["seq_len"], np.asarray(pos) + 1)  # the step's cache comes back
     assert min(hit) >= n_exp - 1, hit  # uniform routing: 8 * (1 - (6/8)^64) = 8.0 expected
