@@ -22,7 +22,8 @@ Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_cei
             Pallas fp4 kernel, with the fraction of bit-identical outputs and the max ulp
   decode    one decode step of the whole stack (embed, 6 layers, head) per (batch, context)
   layers    the same step as one jitted call per layer (per-layer time by role)
-  prefill   prefill of one prompt of S tokens (cache of S positions)
+  prefill   prefill of one prompt of S tokens (cache of S positions); its FLOPs count each
+            layer at the positions it runs on (`prefill_counts`: replayed layers on a suffix)
 Bytes and FLOPs come from `count_layer` (derivation in its docstring) and the parameter shapes.
 Rows are printed as they finish and the JSON is rewritten after every row, so a run stopped by
 a time limit keeps what it measured. `--paths fast,reference` times the same rows with
@@ -53,7 +54,7 @@ from flax import nnx
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.generate import context_bucket
-from dsv41_jax.model import Transformer
+from dsv41_jax.model import Transformer, replay_start, replay_width
 
 RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
 
@@ -130,7 +131,9 @@ def unique_experts(n_experts: int, k: int, tokens: int) -> float:
 def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
                 tokens_per_row: int = 1, n_unique: float | None = None) -> tuple[float, float]:
     """(bytes, flops) of one layer for one decode step of `batch` rows at `context`
-    (tokens_per_row=1), or a prefill of `tokens_per_row` tokens of one row (batch=1).
+    (tokens_per_row=1), or a prefill of one row (batch=1) whose layer runs on the last
+    `tokens_per_row` of `context` positions (all of them, or a replayed layer's suffix:
+    `prefill_counts`).
 
     Bytes (decode; each operand read once, outputs written once, activations negligible):
       * the layer's dense weights once (attention / compressor / indexer projections in their
@@ -143,7 +146,8 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
         width); at a compressed layer the gathered top-k latent rows B x topk x hd bf16.
     FLOPs: 2 x weight elements used per token (dense linears; k routed + the shared expert)
       + indexer 2 x ih x ihd x (T/r) per scoring token + attention 4 x heads x hd x (window +
-      topk) per token. Prefill counts the causal half of the indexer's (S/r) keys per token.
+      topk) per token. Prefill counts the compressed keys each position sees: on average
+      (S - n/2) / r for the last n of S positions (S / 2r for all of them).
     At the released width and batch 1 this gives about 284 MB per layer (SPEC §19.3) with the
     wo_a projection counted as stored (bf16 in this port: +33.5 MB against fp8)."""
     a = args
@@ -158,7 +162,7 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
     # 3 x inter x dim each (fp4 bytes hold 2 per byte, which the element count undoes)
     expert_elems = 3 * a.moe_inter_dim * a.dim
     if prefill := tokens_per_row > 1:
-        keys = (context / r) / 2 if r else 0  # causal: on average half the compressed keys
+        keys = (context - tokens_per_row / 2) / r if r else 0  # causal, over the last n positions
         attn_pos = min(a.window_size, context) + (min(a.index_topk, context // r) if r else 0)
     else:
         keys = context / r if r else 0
@@ -178,6 +182,15 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
     if scores:
         fl += tokens * 2 * a.index_n_heads * ihd * keys
     return float(by), float(fl)
+
+
+def prefill_counts(args: ModelArgs, pb: dict, s: int) -> list[tuple[float, float]]:
+    """Per-layer `count_layer` of one row's prefill of `s` tokens as `Transformer.prefill` runs it
+    (replay on, SPEC §19.1): the layers from `replay_start` on only on their suffix of
+    `replay_width` positions; the others on all s."""
+    start = replay_start(args)
+    return [count_layer(args, i, pb, 1, s, tokens_per_row=s if i < start else replay_width(args, i, s))
+            for i in range(args.n_layers)]
 
 
 def decode_bytes(args: ModelArgs, pb: dict, batch: int, context: int, hit: list | None = None):
@@ -707,7 +720,7 @@ def prefill_section(rep, ceil, tiny, lengths, paths, profile_for=()):
         for path in paths:
             args = bench_args(tiny, 1, s, *PATHS[path])
             pb = param_bytes(args)
-            counts = [count_layer(args, i, pb, 1, s, tokens_per_row=s) for i in range(args.n_layers)]
+            counts = prefill_counts(args, pb, s)
             by = sum(c[0] for c in counts)
             fl = sum(c[1] for c in counts) + 2 * args.vocab_size * args.dim
             try:

@@ -1,12 +1,13 @@
 """Helpers of benchmarks/model_speed.py that decide what its rows report (no timing here):
-the profile's source attribution and the random model's routing, whose byte counts the decode
-rows' fractions of the bandwidth rest on."""
+the profile's source attribution, the random model's routing, whose byte counts the decode
+rows' fractions of the bandwidth rest on, and the prefill's FLOP count."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from benchmarks import model_speed
 from dsv41_jax.layers import rms_norm
@@ -37,3 +38,23 @@ def test_random_model_routes_tokens_across_the_experts():
     assert len(hit) == args.n_layers
     np.testing.assert_array_equal(cache["seq_len"], np.asarray(pos) + 1)  # the step's cache comes back
     assert min(hit) >= n_exp - 1, hit  # uniform routing: 8 * (1 - (6/8)^64) = 8.0 expected
+
+
+def test_prefill_count_follows_the_positions_each_layer_runs_on():
+    """The replayed layers (SPEC §19.1) run on a suffix of the prompt; the prefill's FLOP count
+    takes each layer at the positions its MoE routed in a real prefill, not the whole prompt."""
+    s = 64
+    args = model_speed.bench_args(True, 1, s, "reference")
+    graphdef, state = model_speed.random_model(args)
+    cache = model_speed.init_cache(args, 1, s)
+    ids = jax.random.randint(jax.random.key(2), (1, s), 0, args.vocab_size)
+    record = nnx.merge(graphdef, state).prefill(ids, None, cache, collect=True)[2]
+    rows = [record[f"route_idx.L{i:02d}"].shape[0] for i in range(args.n_layers)]
+    assert rows[0] == s and min(rows) < s  # the stack has replayed layers
+    pb = model_speed.param_bytes(args)
+    got = model_speed.prefill_counts(args, pb, s)
+    want = [model_speed.count_layer(args, i, pb, 1, s, tokens_per_row=n) for i, n in enumerate(rows)]
+    assert got == want
+    # a layer's FLOPs grow with the positions it runs on
+    assert all(got[i][1] < model_speed.count_layer(args, i, pb, 1, s, tokens_per_row=s)[1]
+               for i, n in enumerate(rows) if n < s)
