@@ -48,8 +48,8 @@ class BlockSizes:
       decode no longer bounds the kernel: a variant that skips it (wrong values, timing only)
       runs no faster at 1, 8 or 64 tokens (benchmarks/README.md, seventh run). None: "pairs" for
       compiled GPU kernels (1.3-1.6x faster than "subnormal" on the H200; exact: the compiled
-      oracle tests pass),
-      "select" in interpret mode (PTX has no CPU path; XLA on CPU flushes subnormals).
+      oracle tests pass), "select" in interpret mode (PTX has no CPU path; XLA on CPU flushes
+      subnormals).
     Defaults measured on the released w1 (N 2304, K 5120) on the H200: at up to 16 rows per tile
     block_k 512 (1.25-1.3x faster than 256 with "pairs"), 3 stages (2 or 4: 1.04-1.12x slower)
     and 128-column blocks while the grid stays under two waves of programs (one token: 48.9
@@ -130,8 +130,8 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
     """Rows per tile for `grouped_matmul` on the kernel path: R = `pairs` (token, expert) pairs
     over `n_experts` experts (never more than the next power of 2 >= R, at least 16).
 
-    Every live tile decodes its expert's whole matrix, so small tiles pay decode work per row and
-    large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows while
+    Every live tile reads and decodes its expert's whole matrix, so small tiles repeat that work
+    and large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows while
     experts get <= 16 pairs on average (decode batches); 64 up to 256 pairs per expert (prefill of
     4096 tokens: 64 on average, so 128-row tiles were half padding; measured on the H200 with the
     released w1 / w2: 1.49x / 1.60x faster than 128 rows at 4096 tokens, 1.23x / 1.28x at 16384;
