@@ -215,9 +215,10 @@ class Experts(nnx.Module):
         `expert_matmul.grouped_matmul` over all tiles (16-row tiles while experts get few pairs
         each, as in decode batches: each live tile reads a whole expert, so small tiles waste no
         rows; 64 or 128 rows for prefill-sized batches: `expert_matmul.tile_rows_for`). Otherwise
-        tiles of min(tile_rows, R) rows and a `lax.scan` that dequantises one expert's three matrices per tile (`dense`) and runs `ffn`
-        on its rows. Either way tiles no pair filled are skipped, so an expert's packed bytes are
-        read once per tile it fills and never when no pair picked it."""
+        tiles of min(tile_rows, R) rows and a `lax.scan` that dequantises one expert's three
+        matrices per tile (`dense`) and runs `ffn` on its rows. Either way tiles no pair filled are
+        skipped, so an expert's packed bytes are read once per tile it fills and never when no
+        pair picked it."""
         if self.use_kernel():
             return self._grouped_kernel(x, src, weights, e, n_e)
         r, dim = src.shape[0], x.shape[-1]
