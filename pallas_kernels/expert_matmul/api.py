@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import gpu_kernel, split_batch
 from pallas_kernels._triton import fit_block
@@ -131,18 +132,19 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
     over `n_experts` experts (never more than the next power of 2 >= R, at least 16).
 
     Every live tile reads and decodes its expert's whole matrix, so small tiles repeat that work
-    and large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows while
-    experts get <= 16 pairs on average (decode batches); 64 up to 256 pairs per expert (prefill of
-    4096 tokens: 64 on average, so 128-row tiles were half padding; measured on the H200 with the
-    released w1 / w2: 1.49x / 1.60x faster than 128 rows at 4096 tokens, 1.23x / 1.28x at 16384;
-    32 rows: 1.3-1.4x slower than 64), and 128 beyond, where the padding share is small."""
+    and large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows
+    while experts get <= 16 pairs on average (decode batches); 64 up to 256 pairs per expert
+    (prefill of 4096 tokens: 64 on average, so 128-row tiles were half padding; measured on the
+    H200 with the released w1 / w2: 1.49x / 1.60x faster than 128 rows at 4096 tokens, 1.23x /
+    1.28x at 16384; 32 rows: 1.3-1.4x slower than 64), and 128 beyond, where the padding share
+    is small."""
     if pairs <= 16 * n_experts:
         c = 16
     elif pairs <= 256 * n_experts:
         c = 64
     else:
         c = 128
-    return max(16, min(c, 1 << max(pairs - 1, 0).bit_length()))
+    return max(16, min(c, pl.next_power_of_2(pairs)))
 
 
 def grouped_tiles(indices: jax.Array, n_experts: int, tile_rows: int):
