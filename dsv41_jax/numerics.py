@@ -2,8 +2,8 @@
 
 Under jit, XLA may drop a convert pair f32 -> bf16 -> f32 (excess precision) or fuse a dot with
 the element-wise ops after it and ignore the narrowing in between; it may also turn `a / b` into
-`a * (1/b)`. The reference rounds to bf16 at specific points and divides exactly, and parity
-depends on both, so every such point goes through these helpers.
+`a * (1/b)` (for a broadcast divisor). The reference rounds to bf16 at specific points and divides
+exactly, and parity depends on both, so every such point goes through these helpers.
 
 XLA:GPU lowers an f32 division to PTX `div.full.f32` (up to 2 ulp off, not correctly rounded):
 an e2m1 / e4m3 tie such as x / s = 1.25 can come out as 1.2500001 and round up, which moves a
@@ -12,6 +12,17 @@ enough to change 12-24% of the block's outputs). `exact_div` therefore divides i
 rounds once to f32, which is the correctly rounded f32 quotient (f64 carries more than the
 2 x 24 + 2 bits that rule out a double rounding); TPUs have no float64, so there it is the
 backend's f32 division.
+
+In float64, XLA's rewrite of `a / b` into `a * (1/b)` is harmless, so no barrier stops it there
+(and the division fuses with its neighbours). For f32 a, b whose quotient is an f32 normal, the
+exact quotient is never an f32 rounding midpoint and lies at least 2^-49 (relative) from every
+midpoint (a = A 2^i, b = B 2^j, midpoint m = M 2^e with A, B < 2^24 and M odd < 2^25: a - m b is
+a non-zero multiple of 2^min(i, e + j)), while the two float64 roundings (1/b, then the product)
+move it by at most about 2^-52; both forms round to the same f32. Only a quotient below 2^-126
+(an f32 subnormal) can sit exactly on a midpoint, and then the product form may round that tie
+the other way; no quotient the model forms comes near that range (the smallest are scales and
+normalisers of activations, and quantiser quotients that far down round to zero either way).
+tests/test_numerics.py checks the normal range on near-midpoint pairs.
 """
 
 from __future__ import annotations
@@ -39,15 +50,14 @@ def to_bf16(x: jax.Array) -> jax.Array:
 def exact_div(a: jax.Array, b) -> jax.Array:
     """a / b, f32, correctly rounded (IEEE) on CPU and GPU; shapes broadcast.
 
-    Divides in float64 where the backend has it (see the module docstring); the barrier on the
-    full-shape divisor keeps XLA from rewriting the division as a * (1 / b) (which it does for a
-    broadcast divisor, and which would move exact ties)."""
+    Divides in float64 where the backend has it (see the module docstring: XLA may form the
+    quotient as a * (1/b) there and it still rounds to the IEEE f32 quotient). In f32 (TPU) a
+    barrier on the full-shape divisor keeps XLA from that rewrite, which would move exact ties."""
     a = jnp.asarray(a, jnp.float32) if not hasattr(a, "dtype") else a
-    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
     if a.dtype == jnp.float32 and jax.default_backend() != "tpu":
         with jax.enable_x64(True):
-            a64 = jnp.broadcast_to(a, b.shape).astype(jnp.float64)
-            return (a64 / jax.lax.optimization_barrier(b.astype(jnp.float64))).astype(jnp.float32)
+            return (a.astype(jnp.float64) / jnp.asarray(b, a.dtype).astype(jnp.float64)).astype(jnp.float32)
+    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
     return a / jax.lax.optimization_barrier(b)
 
 

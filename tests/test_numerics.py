@@ -60,3 +60,41 @@ def test_fp4_e4m3_qdq_rounds_an_exact_tie_after_the_division_to_the_even_code():
     got = np.asarray(jax.jit(fp4_quant_dequant_e4m3)(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
     np.testing.assert_array_equal(got[:3], [0.9375, 5.625, -1.875])
     assert not got[3:].any()
+
+
+def _near_midpoint_pairs(rng, n):
+    """f32 pairs (a, b) whose quotient lies as close to an f32 rounding midpoint as f32 operands
+    allow: B odd 24-bit, M = +-1/B mod 2^25 (odd, 25 bits, so M 2^-25 is a midpoint at f32
+    precision), A = (M B -+ 1) / 2^25, so a / b = M 2^-25 -+ 2^-25 / B; random binades."""
+    out_a, out_b = [], []
+    while len(out_a) < n:
+        big = int(rng.integers(2**22, 2**23)) * 2 + 1
+        inv = pow(big, -1, 2**25)
+        for m, r in ((inv, 1), (2**25 - inv, -1)):
+            if m >= 2**24:  # a 25-bit odd M
+                num = m * big - r
+                assert num % 2**25 == 0 and num // 2**25 < 2**24
+                out_a.append(num // 2**25)
+                out_b.append(big)
+    a = np.asarray(out_a[:n], np.float64)
+    b = np.asarray(out_b[:n], np.float64)
+    ea, eb = rng.integers(-60, 40, n), rng.integers(-60, 40, n)
+    return np.ldexp(a, ea).astype(np.float32), np.ldexp(b, eb - 24).astype(np.float32)
+
+
+def test_a_float64_reciprocal_multiply_rounds_to_the_ieee_quotient_next_to_midpoints():
+    # exact_div leaves XLA free to form a / b as a * (1/b) in float64; the module docstring's
+    # argument says that still rounds to the IEEE f32 quotient; here on the hardest pairs
+    rng = np.random.default_rng(3)
+    a, b = _near_midpoint_pairs(rng, 50_000)
+    q = a.astype(np.float64) / b.astype(np.float64)
+    m = np.float64(1.0) / b.astype(np.float64)
+    mid_gap = np.abs(q - (a / b).astype(np.float64)) / np.spacing(np.abs(a / b))
+    assert np.all(np.abs(mid_gap - 0.5) < 2.0**-20)  # the pairs really sit next to midpoints
+    want = a / b  # numpy: IEEE f32 division
+    np.testing.assert_array_equal((a.astype(np.float64) * m).astype(np.float32).view(np.int32), want.view(np.int32))
+    got = np.asarray(jax.jit(exact_div)(jnp.asarray(a), jnp.asarray(b)))
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+    # a broadcast divisor, the shape XLA rewrites as a reciprocal multiply
+    row = np.asarray(jax.jit(exact_div)(jnp.asarray(a[:256]).reshape(1, 256), jnp.asarray(b[:1])))
+    np.testing.assert_array_equal(row.reshape(-1).view(np.int32), (a[:256] / b[0]).view(np.int32))
