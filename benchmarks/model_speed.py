@@ -68,12 +68,16 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 
 
 # path -> (ModelArgs.kernels, ModelArgs.attn_accumulate)
-PATHS = {"fast": ("auto", "auto"), "fast-f32": ("auto", "f32"), "reference": ("reference", "auto")}
+# path -> (kernels, attn_accumulate, kernels_fused): see ModelArgs
+PATHS = {"fast": ("auto", "auto", False), "fast-f32": ("auto", "f32", False), "fused": ("auto", "auto", True),
+         "reference": ("reference", "auto", False)}
 
 
-def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto") -> ModelArgs:
+def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
+               kernels_fused: bool = False) -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
-    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate}
+    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate,
+           "kernels_fused": kernels_fused}
     if tiny:
         return ModelArgs.tiny(**_NO_EXTRAS).replace(n_layers=6, **run, **_LAYOUT)
     return ModelArgs.from_json(RELEASED, n_layers=6, **run, **_LAYOUT, **_NO_EXTRAS)
@@ -531,7 +535,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                             **extra)
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
-                        _save_hlo(rep, f"decode_{batch}x{context}", hlo)
+                        _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
                         profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo))
                     if (batch, context, path) in layers_for:
                         layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path)
@@ -680,7 +684,13 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
     table = [{"op": op, "us_per_step": round(ns / reps / 1e3, 2), "launches_per_step": launches[op] / reps,
               "source": _source_of(sources, op)} for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
     tag = name.split()[0]  # "decode" / "prefill"
-    (rep.out / f"profile_{tag}_{batch}x{context}.json").write_text(json.dumps(table, indent=1))
+    (rep.out / f"profile_{tag}_{batch}x{context}{_path_suffix(name)}.json").write_text(json.dumps(table, indent=1))
+
+
+def _path_suffix(name: str) -> str:
+    """"" for a fast-path row ("decode fast"), else "_<path>", so profiles of two paths do not collide."""
+    path = name.split()[-1]
+    return "" if path == "fast" else f"_{path}"
 
 
 def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path):
@@ -761,6 +771,13 @@ def _speedup(rep: Report, kind: str, batch: int, context: int):
         got["fast"]["speedup"] = round(got["reference"]["seconds"] / got["fast"]["seconds"], 2)
         rep.add(name=f"{kind} speed-up", batch=batch, context=context, seconds=None, bytes=0, flops=0,
                 fraction_of_ceiling=None, speedup=got["fast"]["speedup"])
+    pair = {r["name"].split()[-1]: r for r in rep.rows
+            if r["name"] in (f"{kind} fast", f"{kind} fused") and r["batch"] == batch and r["context"] == context}
+    if len(pair) == 2 and pair["fast"].get("seconds") and pair["fused"].get("seconds") \
+            and "speedup_over_fast" not in pair["fused"]:
+        pair["fused"]["speedup_over_fast"] = round(pair["fast"]["seconds"] / pair["fused"]["seconds"], 3)
+        rep.add(name=f"{kind} fused over fast", batch=batch, context=context, seconds=None, bytes=0, flops=0,
+                fraction_of_ceiling=None, speedup=pair["fused"]["speedup_over_fast"])
 
 
 def _ints(s: str) -> list[int]:
@@ -773,7 +790,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny width on any backend (bug check)")
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
-                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), reference (plain jnp)")
+                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fused (and kernels_fused), "
+                        "reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")
@@ -782,7 +800,8 @@ def main(argv=None) -> int:
                    help="JSON list of expert_matmul.BlockSizes fields tried on w1 (default KERNEL_VARIANTS)")
     p.add_argument("--layers-for", default="1x4096,64x4096",
                    help="BxT decode shapes that also get per-layer times (fast path; add :reference)")
-    p.add_argument("--profile-for", default="1x4096,64x4096", help="BxT decode shapes profiled (fast path)")
+    p.add_argument("--profile-for", default="1x4096,64x4096",
+                   help="BxT decode shapes profiled, on the fast path or BxT:path")
     p.add_argument("--profile-prefill", default="", help="prefill lengths profiled (fast path)")
     p.add_argument("--reference-contexts", default=None, help="decode contexts timed on the reference path too")
     p.add_argument("--reference-prefill", default=None, help="prefill lengths timed on the reference path too")
@@ -813,8 +832,9 @@ def main(argv=None) -> int:
     profile_for = set()
     for item in ns.profile_for.split(","):
         if item:
-            bb, tt = item.split("x")
-            profile_for.add((int(bb), int(tt), "fast"))
+            shape, _, path = item.partition(":")
+            bb, tt = shape.split("x")
+            profile_for.add((int(bb), int(tt), path or "fast"))
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "tiny": tiny, "layers": list(ROLES),
