@@ -54,7 +54,8 @@ class ModelArgs:
     kernels_interpret: bool = False
     # GPU kernels that take small XLA ops into one launch where the Pallas kernels run: the
     # activation quantiser inside the fp8 matmul, hc_pre + RMSNorm in one kernel
-    # (pallas_kernels/hc_norm). Same rounding points; off until measured on a GPU
+    # (pallas_kernels/hc_norm), the Sinkhorn split forming its RMS factor from the sums of
+    # squares. Same rounding points; off until measured on a GPU
     kernels_fused: bool = False
     # the sparse attention's accumulation: "f64" = float64, the golden oracle's rounding (the XLA
     # float64 reference on every backend that has float64); "f32" = f32 (the Pallas kernels where

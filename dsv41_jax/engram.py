@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.numerics import cast
+from dsv41_jax.numerics import cast, mean, reciprocal_sqrt
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ConfigError, ModelArgs
 from dsv41_jax.layers import Linear, linear_kernels
@@ -354,8 +354,10 @@ def engram_gate(h: jax.Array, key: jax.Array, weight: jax.Array, eps: float) -> 
     sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)). copysign, not sign(): dot = 0 gives 0.5+.
     """
     d = h.shape[-1]
-    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1) + jnp.float32(eps)) * jax.lax.rsqrt(
-        jnp.mean(jnp.square(key), axis=-1) + jnp.float32(eps)
+    # torch.rsqrt and the mean as the reference rounds them (dsv41_jax.numerics), never XLA's
+    # approximate rsqrt or the mean's reciprocal multiply
+    rstd = reciprocal_sqrt(mean(jnp.square(h), axis=-1) + jnp.float32(eps)) * reciprocal_sqrt(
+        mean(jnp.square(key), axis=-1) + jnp.float32(eps)
     )
     dot = jnp.sum(h * weight * key, axis=-1) * rstd * jnp.float32(d**-0.5)
     return jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(GATE_CLAMP))), dot))

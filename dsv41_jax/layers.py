@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ceil_div
-from dsv41_jax.numerics import cast, reciprocal_sqrt
+from dsv41_jax.numerics import cast, mean, reciprocal_sqrt
 from pallas_kernels.fp8_matmul import api as fp8_matmul
 
 WeightDtype = Literal["fp8", "fp4", "bf16", "fp32"]
@@ -111,7 +111,7 @@ class RMSNorm(nnx.Module):
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    var = mean(jnp.square(xf), axis=-1, keepdims=True)
     return cast(w.astype(jnp.float32) * (xf * reciprocal_sqrt(var + jnp.float32(eps))), x.dtype)
 
 

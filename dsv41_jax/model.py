@@ -75,7 +75,7 @@ class Block(nnx.Module):
         return hc_mixes(
             x, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_scale")[...],
             getattr(self, f"hc_{site}_base")[...], norm_eps=a.norm_eps, iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps,
-            implementation=a.kernels, interpret=a.kernels_interpret,
+            implementation=a.kernels, interpret=a.kernels_interpret, fused=a.kernels_fused,
         )
 
     def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from dsv41_jax.numerics import exact_div, reciprocal_sqrt
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
 
@@ -65,3 +68,24 @@ def act_quant_tile(x: jax.Array, block: int = 32) -> jax.Array:
     r = jnp.where((frac > 0.5) | ((frac == 0.5) & odd), low + 1.0, low)
     q = _from_bits(_bits(r * _from_bits((124 + e) << 23)) | (_bits(y) & jnp.int32(-2**31)))
     return (q * s).reshape(rows, cols).astype(jnp.bfloat16)
+
+
+def ptx_f32(code: str, *args: jax.Array) -> jax.Array:
+    """One inline-PTX instruction (or block) per element of f32 operands of one shape -> f32."""
+    (out,) = plgpu.elementwise_inline_asm(
+        code, args=list(args), constraints="=r," + ",".join("r" * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, _F32)])
+    return out
+
+
+def rms_factor(sumsq: jax.Array, n: int, eps: float, interpret: bool) -> jax.Array:
+    """1 / sqrt(sumsq / n + eps) inside a kernel, f32 [block], every step one IEEE
+    round-to-nearest operation (`div.rn`, `add.rn`, `sqrt.rn`, `div.rn`), as `numerics.mean` and
+    `numerics.reciprocal_sqrt` round it. Interpret mode calls those helpers: XLA:CPU would turn
+    x / n into a multiply by the rounded 1/n and 1 / sqrt into its approximate rsqrt."""
+    full = lambda v: jnp.full(sumsq.shape, v, _F32)
+    if interpret:
+        return reciprocal_sqrt(exact_div(sumsq, full(n)) + full(eps))
+    var = ptx_f32("div.rn.f32 $0, $1, $2;", sumsq, full(n))
+    root = ptx_f32("sqrt.rn.f32 $0, $1;", ptx_f32("add.rn.f32 $0, $1, $2;", var, full(eps)))
+    return ptx_f32("div.rn.f32 $0, $1, $2;", full(1.0), root)

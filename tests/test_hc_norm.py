@@ -93,19 +93,23 @@ def test_gradient_comes_from_the_reference():
 
 
 def test_model_decode_step_with_fused_kernels_tracks_the_unfused_step(monkeypatch):
-    """kernels_fused=True routes every sublayer input and the head's through hc_pre_norm and lets
-    the fp8 kernel quantise its own rows; the golden set's first decode step (kernels in
+    """kernels_fused=True routes every sublayer input and the head's through hc_pre_norm, lets
+    the fp8 kernel quantise its own rows and the Sinkhorn kernel form its RMS factor; the golden set's first decode step (kernels in
     interpret mode on CPU) then tracks the unfused jnp path's logits."""
     from conftest import GOLDEN_DIRS
 
     from dsv41_jax import parity
     from dsv41_jax.parity import GoldenSet
     from pallas_kernels.fp8_matmul import kernel_gpu as fp8_kernel
+    from pallas_kernels.sinkhorn import kernel_gpu as sinkhorn_kernel
 
     gs = GoldenSet(GOLDEN_DIRS[0])
-    norms, quantised = [], []
+    norms, quantised, splits = [], [], []
     original_norm, original_fp8 = kernel_gpu.hc_pre_norm, fp8_kernel.fp8_matmul
+    original_split = sinkhorn_kernel.hc_split_sinkhorn
     monkeypatch.setattr(kernel_gpu, "hc_pre_norm", lambda *a, **kw: norms.append(a[0].shape) or original_norm(*a, **kw))
+    monkeypatch.setattr(sinkhorn_kernel, "hc_split_sinkhorn",
+                        lambda *a, **kw: splits.append(kw.get("rms_from")) or original_split(*a, **kw))
     monkeypatch.setattr(fp8_kernel, "fp8_matmul",
                         lambda *a, **kw: quantised.append(kw.get("quantise", False)) or original_fp8(*a, **kw))
     jax.clear_caches()
@@ -120,8 +124,43 @@ def test_model_decode_step_with_fused_kernels_tracks_the_unfused_step(monkeypatc
     # two sublayers a layer and the head; each site is traced twice (the fallback check, the call)
     assert len(norms) == 2 * (2 * gs.args.n_layers + 1)
     assert quantised and all(quantised)
+    assert splits and all(r == (gs.args.hc_mult * gs.args.dim, gs.args.norm_eps) for r in splits)
     norms.clear()
     want = step(parity.load_model(gs))  # the jnp path (kernels "auto" on CPU), unfused
     assert not norms
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
     assert np.mean(got == want) >= 0.99
+
+
+def test_sinkhorn_site_forming_its_rms_factor_in_the_kernel_is_bit_identical():
+    """kernels_fused's Sinkhorn site: the GPU split kernel forms 1 / sqrt(sum / n + eps) from the
+    sums of squares (`_triton.rms_factor`, the IEEE steps of numerics.mean / reciprocal_sqrt)
+    instead of taking the factor from XLA; the outputs (and the gradient) are unchanged."""
+    from pallas_kernels.sinkhorn import api as sinkhorn_api
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 1280)) * 3, jnp.bfloat16)  # n = 5120: not a power of 2
+    fn = jnp.asarray(rng.standard_normal((24, 4 * 1280)) * 0.02, jnp.float32)
+    scale = jnp.asarray([0.9, 1.1, 1.7], jnp.float32)
+    base = jnp.asarray(rng.standard_normal(24), jnp.float32)
+    kw = {"norm_eps": 1e-6, "iters": 20, "hc_eps": 1e-6, "implementation": "pallas", "interpret": not HAS_GPU}
+    plain = sinkhorn_api.hc_mixes(x, fn, scale, base, **kw)
+    fused = sinkhorn_api.hc_mixes(x, fn, scale, base, **kw, fused=True)
+    for a, b in zip(plain, fused):
+        np.testing.assert_array_equal(np.asarray(a).view(np.int32), np.asarray(b).view(np.int32))
+    loss = lambda f: lambda x: jnp.sum(sinkhorn_api.hc_mixes(x.astype(jnp.bfloat16), fn, scale, base, **kw,
+                                                             fused=f)[2] * jnp.arange(16.0).reshape(4, 4))
+    xf = x.astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.grad(loss(True))(xf)), np.asarray(jax.grad(loss(False))(xf)),
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_rms_factor_is_the_models_rounding():
+    from dsv41_jax.numerics import mean, reciprocal_sqrt
+    from pallas_kernels._triton import rms_factor
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((512, 5120)), jnp.float32)
+    want = reciprocal_sqrt(mean(jnp.square(x), axis=-1) + jnp.float32(1e-6))
+    got = jax.jit(lambda s: rms_factor(s, 5120, 1e-6, True))(jnp.sum(jnp.square(x), axis=-1))
+    np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(want).view(np.int32))

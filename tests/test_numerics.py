@@ -98,3 +98,22 @@ def test_a_float64_reciprocal_multiply_rounds_to_the_ieee_quotient_next_to_midpo
     # a broadcast divisor, the shape XLA rewrites as a reciprocal multiply
     row = np.asarray(jax.jit(exact_div)(jnp.asarray(a[:256]).reshape(1, 256), jnp.asarray(b[:1])))
     np.testing.assert_array_equal(row.reshape(-1).view(np.int32), (a[:256] / b[0]).view(np.int32))
+
+
+def test_mean_divides_the_sum_once_as_torch_does_on_cpu():
+    """torch's CPU mean is sum.div_(n); jnp.mean multiplies by the rounded 1/n, which at the
+    released widths (5120 for the norms, 20480 for the hyper-connection site) moves the last bit
+    of about one mean in five. `mean` keeps the division."""
+    from dsv41_jax.numerics import mean
+
+    rng = np.random.default_rng(4)
+    for n in (5120, 20480, 512):
+        x = jnp.asarray(np.abs(rng.standard_normal((400, n))).astype(np.float32) * 3)
+        total = np.asarray(jax.jit(lambda v: jnp.sum(v, axis=-1))(x))
+        want = total / np.float32(n)  # IEEE f32 division of the same sum
+        got = np.asarray(jax.jit(mean)(x))
+        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+        kept = np.asarray(jax.jit(lambda v: mean(v, keepdims=True))(x))
+        np.testing.assert_array_equal(kept[:, 0].view(np.int32), want.view(np.int32))
+        if n != 512:  # the multiply by 1/n really differs there (a power of two does not)
+            assert np.mean(np.asarray(jax.jit(lambda v: jnp.mean(v, axis=-1))(x)) != want) > 0.05

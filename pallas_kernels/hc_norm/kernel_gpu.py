@@ -10,8 +10,8 @@ One launch replaces XLA's hc_pre fusion, the mean-of-squares reduction and the r
 root (the scaled output then feeds the fp8 kernel, which quantises it itself).
 
 Numerics: the products and sums of hc_pre and the scaling are single `mul.rn` / `add.rn`
-instructions (never contracted into an FMA, as the reference computes them); the square root and
-the divisions are `sqrt.rn` / `div.rn`. The one difference from the jnp path is the order in which
+instructions (never contracted into an FMA, as the reference computes them); the mean's division,
+the square root and the reciprocal are `div.rn` / `sqrt.rn` (`_triton.rms_factor`). The one difference from the jnp path is the order in which
 the d squares are added (per lane across chunks, then Triton's tree over lanes), which XLA does
 not fix either. Interpret mode (CPU) runs the same steps as plain jnp operations (see `_Ops`).
 """
@@ -25,16 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import is_pow2
+from pallas_kernels._triton import is_pow2, ptx_f32, rms_factor
 
 _F32 = jnp.float32
-
-
-def _asm(code: str, *args: jax.Array) -> jax.Array:
-    (out,) = plgpu.elementwise_inline_asm(
-        code, args=list(args), constraints="=r," + ",".join("r" * len(args)), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, _F32)])
-    return out
 
 
 class _Ops:
@@ -48,16 +41,10 @@ class _Ops:
         self.interpret = interpret
 
     def mul(self, a, b):
-        return a * b if self.interpret else _asm("mul.rn.f32 $0, $1, $2;", a, b)
+        return a * b if self.interpret else ptx_f32("mul.rn.f32 $0, $1, $2;", a, b)
 
     def add(self, a, b):
-        return a + b if self.interpret else _asm("add.rn.f32 $0, $1, $2;", a, b)
-
-    def div(self, a, b):
-        return a / b if self.interpret else _asm("div.rn.f32 $0, $1, $2;", a, b)
-
-    def sqrt(self, a):
-        return jnp.sqrt(a) if self.interpret else _asm("sqrt.rn.f32 $0, $1;", a)
+        return a + b if self.interpret else ptx_f32("add.rn.f32 $0, $1, $2;", a, b)
 
     def bf16(self, a):
         """a rounded to bf16 (RNE), kept f32. XLA may drop an f32 -> bf16 -> f32 pair in
@@ -89,9 +76,7 @@ def _kernel(x_ref, pre_ref, w_ref, o_ref, *, hc: int, d: int, block_d: int, eps:
         return ops.add(acc, ops.mul(s, s))
 
     acc = jax.lax.fori_loop(0, n_chunks, squares, jnp.zeros((block_d,), _F32))
-    full = lambda v: jnp.full((block_d,), v, _F32)  # per-token scalars as lane vectors
-    var = ops.div(jnp.broadcast_to(jnp.sum(acc), (block_d,)), full(d))
-    r = ops.div(full(1.0), ops.sqrt(ops.add(var, full(eps))))
+    r = rms_factor(jnp.broadcast_to(jnp.sum(acc), (block_d,)), d, eps, interpret)
 
     def scaled(c, carry):
         s, live = collapsed(c)
