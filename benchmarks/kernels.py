@@ -1,4 +1,4 @@
-"""Kernel benchmark: the Sinkhorn site, hc_pre + RMSNorm and sparse attention, Pallas kernel vs the XLA reference.
+"""Kernel benchmark: the Sinkhorn site and sparse attention, Pallas kernel vs the XLA reference.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--budget-s 420]
 
@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.hc_norm import api as hc_norm_api
 from pallas_kernels.sinkhorn import api as sinkhorn_api
 from pallas_kernels.sparse_attention import api as attn_api
 
@@ -155,30 +154,6 @@ def sinkhorn_rows(copy_bw: float, tokens=(1, 64, 4096)) -> list[Row]:
             rows.append(Row("sinkhorn split only", f"t={t}", impl if bs is None else f"{impl} (division=div_rn)",
                             sec * 1e6, dev * 1e6, split_bytes,
                             split_bytes / _best(sec, dev) / copy_bw, err))
-    return rows
-
-
-def hc_norm_rows(copy_bw: float, tokens=(1, 64, 4096)) -> list[Row]:
-    """rms_norm(hc_pre(x, pre), w): the jnp path (XLA: hc_pre fusion, the mean of squares, the
-    float64 reciprocal square root, the scaling) against the one-launch kernel."""
-    rows = []
-    w = jax.random.normal(jax.random.key(5), (DIM,), jnp.bfloat16)
-    for t in tokens:
-        def make(i, t=t):
-            return (jax.random.normal(jax.random.key(400 + i), (t, HC, DIM), jnp.bfloat16),
-                    jax.random.uniform(jax.random.key(500 + i), (t, HC), jnp.float32), w)
-        nbytes = t * HC * DIM * 2 + t * HC * 4 + DIM * 2 + t * DIM * 2
-        got = {}
-        for impl in ("reference", "pallas"):
-            f = lambda x, p, w_, impl=impl: hc_norm_api.hc_pre_norm(x, p, w_, 1e-6, implementation=impl)
-            sec, dev = _time(f, make, inner=50 if t <= 64 else 10, reps=30)
-            got[impl] = np.asarray(jax.jit(f)(*make(0)))
-            err = ""
-            if impl == "pallas":
-                worst, frac = _ulps_bf16(got["pallas"], got["reference"])
-                err = f"max {worst:.2g} bf16 ulps vs the jnp path, {frac:.2e} of outputs differ"
-            rows.append(Row("hc_pre + rms_norm", f"t={t}", impl, sec * 1e6, dev * 1e6, nbytes,
-                            nbytes / _best(sec, dev) / copy_bw, err))
     return rows
 
 
@@ -389,7 +364,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time tile variants of the attention kernel first")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,hc_norm,attention")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,attention")
     p.add_argument("--tokens", default="1,64,4096", help="Sinkhorn token counts (comma list)")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (comma list)")
     p.add_argument("--contexts", default="4096,65536", help="decode context lengths (comma list)")
@@ -412,16 +387,6 @@ def main(argv=None) -> int:
                 new = sinkhorn_rows(copy_bw, tokens=(t,))
             except Exception as e:  # noqa: BLE001 (a failing row is a result)
                 new = [Row("sinkhorn", f"t={t}", "?", float("nan"), float("nan"), 0, 0,
-                           note=f"FAILED {type(e).__name__}: {str(e)[:300]}")]
-            for r in new:
-                rows.append(r)
-                print(_fmt(r), flush=True)
-    if "hc_norm" not in a.skip:
-        for t in (int(x) for x in a.tokens.split(",")):
-            try:
-                new = hc_norm_rows(copy_bw, tokens=(t,))
-            except Exception as e:  # noqa: BLE001 (a failing row is a result)
-                new = [Row("hc_pre + rms_norm", f"t={t}", "?", float("nan"), float("nan"), 0, 0,
                            note=f"FAILED {type(e).__name__}: {str(e)[:300]}")]
             for r in new:
                 rows.append(r)

@@ -68,16 +68,12 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 
 
 # path -> (ModelArgs.kernels, ModelArgs.attn_accumulate)
-# path -> (kernels, attn_accumulate, kernels_fused): see ModelArgs
-PATHS = {"fast": ("auto", "auto", False), "fast-f32": ("auto", "f32", False), "fused": ("auto", "auto", True),
-         "reference": ("reference", "auto", False)}
+PATHS = {"fast": ("auto", "auto"), "fast-f32": ("auto", "f32"), "reference": ("reference", "auto")}
 
 
-def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
-               kernels_fused: bool = False) -> ModelArgs:
+def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto") -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
-    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate,
-           "kernels_fused": kernels_fused}
+    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate}
     if tiny:
         return ModelArgs.tiny(**_NO_EXTRAS).replace(n_layers=6, **run, **_LAYOUT)
     return ModelArgs.from_json(RELEASED, n_layers=6, **run, **_LAYOUT, **_NO_EXTRAS)
@@ -771,13 +767,6 @@ def _speedup(rep: Report, kind: str, batch: int, context: int):
         got["fast"]["speedup"] = round(got["reference"]["seconds"] / got["fast"]["seconds"], 2)
         rep.add(name=f"{kind} speed-up", batch=batch, context=context, seconds=None, bytes=0, flops=0,
                 fraction_of_ceiling=None, speedup=got["fast"]["speedup"])
-    pair = {r["name"].split()[-1]: r for r in rep.rows
-            if r["name"] in (f"{kind} fast", f"{kind} fused") and r["batch"] == batch and r["context"] == context}
-    if len(pair) == 2 and pair["fast"].get("seconds") and pair["fused"].get("seconds") \
-            and "speedup_over_fast" not in pair["fused"]:
-        pair["fused"]["speedup_over_fast"] = round(pair["fast"]["seconds"] / pair["fused"]["seconds"], 3)
-        rep.add(name=f"{kind} fused over fast", batch=batch, context=context, seconds=None, bytes=0, flops=0,
-                fraction_of_ceiling=None, speedup=pair["fused"]["speedup_over_fast"])
 
 
 def _ints(s: str) -> list[int]:
@@ -790,8 +779,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny width on any backend (bug check)")
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
-                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fused (and kernels_fused), "
-                        "reference (plain jnp)")
+                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")

@@ -2,7 +2,7 @@
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
 limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob`, the
-kernel choices `kernels`, `kernels_interpret`, `kernels_fused`, the attention's precision `attn_accumulate` and the
+kernel choices `kernels`, `kernels_interpret`, the attention's precision `attn_accumulate` and the
 Engram storage padding `engram_rows_multiple` are not in the released file). Per-layer facts
 (attention role, which source layer a reuse layer reads, RoPE base, Engram table) are derived
 here as plain Python, so jitted code can branch on them statically.
@@ -52,11 +52,6 @@ class ModelArgs:
     # CPU only with kernels_interpret=True, Pallas interpret mode)
     kernels: str = "auto"
     kernels_interpret: bool = False
-    # GPU kernels that take small XLA ops into one launch where the Pallas kernels run: the
-    # activation quantiser inside the fp8 matmul, hc_pre + RMSNorm in one kernel
-    # (pallas_kernels/hc_norm), the Sinkhorn split forming its RMS factor from the sums of
-    # squares. Same rounding points; off until measured on a GPU
-    kernels_fused: bool = False
     # the sparse attention's accumulation: "f64" = float64, the golden oracle's rounding (the XLA
     # float64 reference on every backend that has float64); "f32" = f32 (the Pallas kernels where
     # `kernels` picks them, else the f32 reference): faster, and about 0.04-0.2% of the attention's

@@ -36,14 +36,13 @@ class Linear(nnx.Module):
     `stack` adds leading axes (e.g. the routed experts [E, ...]); `__call__` then expects the
     caller to have selected one slice (see `weights_for`).
     `kernels` / `kernels_interpret` (the ModelArgs fields): the fp8 matmul's implementation
-    ("auto": the Pallas kernel on a GPU for few rows, XLA otherwise; pallas_kernels/fp8_matmul);
-    `kernels_fused`: the kernel act-quantises its own tiles (`BlockSizes.quantise_in_kernel`).
+    ("auto": the Pallas kernel on a GPU for few rows, XLA otherwise; pallas_kernels/fp8_matmul).
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: WeightDtype = "fp8", stack: tuple[int, ...] = (),
-                 *, kernels: str = "reference", kernels_interpret: bool = False, kernels_fused: bool = False):
+                 *, kernels: str = "reference", kernels_interpret: bool = False):
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
-        self.kernels, self.kernels_interpret, self.kernels_fused = kernels, kernels_interpret, kernels_fused
+        self.kernels, self.kernels_interpret = kernels, kernels_interpret
         stack = tuple(stack)
         if dtype == "fp8":
             self.weight = nnx.Param(jnp.zeros((*stack, out_features, in_features), jnp.float8_e4m3fn))
@@ -63,20 +62,16 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return apply_linear(x, self.weight[...], None if self.scale is None else self.scale[...], self.dtype,
-                            kernels=self.kernels, interpret=self.kernels_interpret, fused=self.kernels_fused)
+                            kernels=self.kernels, interpret=self.kernels_interpret)
 
 
 def linear_kernels(args) -> dict:
-    """The kernel choice of an fp8 `Linear`, from a ModelArgs (`kernels`, `kernels_interpret`,
-    `kernels_fused`)."""
-    return {"kernels": args.kernels, "kernels_interpret": args.kernels_interpret, "kernels_fused": args.kernels_fused}
-
-
-_FUSED_FP8 = fp8_matmul.BlockSizes(quantise_in_kernel=True)
+    """The kernel choice of an fp8 `Linear`, from a ModelArgs (`kernels`, `kernels_interpret`)."""
+    return {"kernels": args.kernels, "kernels_interpret": args.kernels_interpret}
 
 
 def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightDtype, *,
-                 kernels: str = "reference", interpret: bool = False, fused: bool = False) -> jax.Array:
+                 kernels: str = "reference", interpret: bool = False) -> jax.Array:
     """The reference's dispatch on the weight dtype.
 
     fp8/fp4: activation quantised to e4m3 per 32 along K, block-scaled matmul, bf16 out (fp8:
@@ -85,8 +80,7 @@ def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightD
     """
     if dtype == "fp8":
         if kernels != "reference" and w.ndim == 2:
-            return fp8_matmul.linear(x, w, s, implementation=kernels, interpret=interpret,
-                                     block_sizes=_FUSED_FP8 if fused else None)
+            return fp8_matmul.linear(x, w, s, implementation=kernels, interpret=interpret)
         return quant.linear_fp8(x, w, s)
     if dtype == "fp4":
         return quant.linear_fp4(x, w, s)

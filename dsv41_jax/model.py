@@ -31,21 +31,10 @@ from dsv41_jax.engram import Engram, EngramLayout, engram_hash
 from dsv41_jax.layers import Embedding, Linear, RMSNorm
 from dsv41_jax.mhc import hc_mixes, hc_post, hc_pre, identity_pre_mix
 from dsv41_jax.moe import MoE
-from pallas_kernels.hc_norm import api as hc_norm
 
 
 class TokenMap(nnx.Variable):
     """A non-trainable input artifact carried with the model (the Engram compressed-token map)."""
-
-
-def pre_norm(x: jax.Array, pre_mix: jax.Array, norm: RMSNorm, args: ModelArgs) -> jax.Array:
-    """norm(hc_pre(x, pre_mix)), a sublayer's (or the head's) input: x [..., hc, d] bf16, pre_mix
-    [..., hc] f32 -> bf16 [..., d]. With `args.kernels_fused`, one kernel (pallas_kernels/hc_norm)
-    where `args.kernels` picks the Pallas kernels."""
-    if args.kernels_fused:
-        return hc_norm.hc_pre_norm(x, pre_mix, norm.weight[...], norm.eps, implementation=args.kernels,
-                                   interpret=args.kernels_interpret)
-    return norm(hc_pre(x, pre_mix))
 
 
 class Block(nnx.Module):
@@ -75,7 +64,7 @@ class Block(nnx.Module):
         return hc_mixes(
             x, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_scale")[...],
             getattr(self, f"hc_{site}_base")[...], norm_eps=a.norm_eps, iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps,
-            implementation=a.kernels, interpret=a.kernels_interpret, fused=a.kernels_fused,
+            implementation=a.kernels, interpret=a.kernels_interpret,
         )
 
     def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend):
@@ -83,12 +72,12 @@ class Block(nnx.Module):
         block's FFN pre-mix, extra, MoE aux)."""
         residual = x
         attn_pre, attn_post, attn_comb = self._mixes(x, "attn")
-        h, extra = attend(pre_norm(x, pre_mix, self.attn_norm, self.args))
+        h, extra = attend(self.attn_norm(hc_pre(x, pre_mix)))
         x = hc_post(h, residual, attn_post, attn_comb)
 
         residual = x
         ffn_pre, ffn_post, ffn_comb = self._mixes(x, "ffn")
-        h = pre_norm(x, attn_pre, self.ffn_norm, self.args)
+        h = self.ffn_norm(hc_pre(x, attn_pre))
         h, moe_aux = self.ffn(h, image_mask)
         x = hc_post(h, residual, ffn_post, ffn_comb)
         return x, ffn_pre, extra, moe_aux
@@ -427,7 +416,7 @@ class Transformer(nnx.Module):
         """Final collapse (last block's FFN pre-mix), norm, head (bf16 weights, fp32 logits). x [b, s, hc, d]."""
         if not all_logits:  # per token: collapse and norm the last position only
             x, pre_mix = x[:, -1], pre_mix[:, -1]
-        return head_logits(pre_norm(x, pre_mix, self.norm, self.args), self.head.weight[...])
+        return head_logits(self.norm(hc_pre(x, pre_mix)), self.head.weight[...])
 
 
 def replay_start(args: ModelArgs) -> int:

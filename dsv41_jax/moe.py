@@ -131,10 +131,9 @@ class Expert(nnx.Module):
     each a `Linear` of `dtype` (fp8 in the release)."""
 
     def __init__(self, dim: int, inter_dim: int, dtype: WeightDtype = "fp8", swiglu_limit: float = 0.0, *,
-                 kernels: str = "reference", kernels_interpret: bool = False, kernels_fused: bool = False):
+                 kernels: str = "reference", kernels_interpret: bool = False):
         self.swiglu_limit = swiglu_limit
-        # the fp8 matmul's (layers.Linear)
-        kern = {"kernels": kernels, "kernels_interpret": kernels_interpret, "kernels_fused": kernels_fused}
+        kern = {"kernels": kernels, "kernels_interpret": kernels_interpret}  # the fp8 matmul's (layers.Linear)
         self.w1 = Linear(dim, inter_dim, dtype, **kern)
         self.w2 = Linear(inter_dim, dim, dtype, **kern)
         self.w3 = Linear(dim, inter_dim, dtype, **kern)
@@ -329,7 +328,7 @@ class MoE(nnx.Module):
         expert_dtype: WeightDtype = "fp4" if args.expert_dtype == "fp4" else plain
         self.gate = Gate(layer_id, args)
         self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype,
-                               kernels=args.kernels, kernels_interpret=args.kernels_interpret)
+                               **linear_kernels(args))
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit, **linear_kernels(args))
 
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):

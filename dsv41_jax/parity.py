@@ -404,15 +404,15 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
     return out
 
 
-def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
-               kernels_fused: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto"
+               ) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
-    `kernels`, `attn_accumulate`, `kernels_fused`: the ModelArgs fields.
+    `kernels`, `attn_accumulate`: the ModelArgs fields.
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
-    model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, kernels_fused=kernels_fused)
+    model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate)
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -451,8 +451,6 @@ def main(argv=None) -> int:
     p.add_argument("--attn-accumulate", choices=("auto", "f64", "f32"), default="auto",
                    help="ModelArgs.attn_accumulate: the sparse attention in float64, the oracle's rounding "
                         "(auto, except on TPU), or in f32 (the attention kernel where --kernels picks it)")
-    p.add_argument("--fused", action="store_true",
-                   help="ModelArgs.kernels_fused: the fused small-op kernels where --kernels picks the kernels")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -460,8 +458,7 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only, attn_accumulate=ns.attn_accumulate,
-                                          kernels_fused=ns.fused)
+    port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only, attn_accumulate=ns.attn_accumulate)
     if ns.out:
         np.savez(ns.out, **encode(port, gs))
     return report(port, problems, expected, gs)

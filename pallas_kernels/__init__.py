@@ -1,2 +1,2 @@
 """Pallas kernels (GPU and TPU), each beside its pure-jnp reference: sinkhorn, sparse_attention,
-expert_matmul, fp8_matmul, hc_norm."""
+expert_matmul, fp8_matmul."""

@@ -443,7 +443,7 @@ def test_parity_cli_prefill_only_with_a_kernel_choice_writes_no_decode_arrays(tm
         parity.main([str(gs.path), "--kernels", "fast"])
 
 
-def test_parity_cli_passes_the_attention_precision_and_fusion_to_the_model(monkeypatch):
+def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
     seen = {}
 
     class Stop(Exception):
@@ -457,11 +457,11 @@ def test_parity_cli_passes_the_attention_precision_and_fusion_to_the_model(monke
     golden = str(DATA / "golden" / "tiny-a")
     with pytest.raises(Stop):
         parity.main([golden, "--attn-accumulate", "f32", "--prefill-only"])
-    assert seen == {"kernels": "auto", "attn_accumulate": "f32", "kernels_fused": False}
+    assert seen == {"kernels": "auto", "attn_accumulate": "f32"}
     seen.clear()
     with pytest.raises(Stop):
-        parity.main([golden, "--fused", "--prefill-only"])
-    assert seen == {"kernels": "auto", "attn_accumulate": "auto", "kernels_fused": True}
+        parity.main([golden, "--kernels", "reference", "--prefill-only"])
+    assert seen == {"kernels": "reference", "attn_accumulate": "auto"}
     with pytest.raises(SystemExit):
         parity.main([golden, "--attn-accumulate", "bf16"])
 

@@ -21,7 +21,6 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.layers import Linear
-from pallas_kernels._triton import act_quant_tile
 from pallas_kernels.fp8_matmul import api, kernel_gpu
 from pallas_kernels.fp8_matmul import reference as ref
 
@@ -196,55 +195,6 @@ def test_linear_above_max_rows_and_on_cpu_auto_is_the_xla_linear_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(above), want)
     if not HAS_GPU:
         np.testing.assert_array_equal(np.asarray(api.linear(x, w, s, implementation="auto")), want)
-
-
-def _raw_rows(rng, m, k, dtype):
-    """Rows over many binades, with e4m3 ties, zeros and -0 (the quantiser's edge cases)."""
-    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-8, 8, (m, 1)))
-    x[0, :32] = -0.0
-    x[-1, :8] = [448.0, 0.5 * 2**-9 * 3, 2**-9 * 2.5, 9.5 * 2**-3 * 64, 17.0 * 64, 19.0 * 64, -440.0 * 64, 1e-30]
-    return jnp.asarray(x.astype(np.float32), dtype)
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("m, k_splits", [(1, 1), (5, 4), (37, 2)])
-def test_kernel_quantising_its_tiles_equals_the_kernel_on_quantised_rows(dtype, m, k_splits):
-    """quantise=True (raw rows, act_quant inside each program) gives the kernel's output on
-    `quant.act_quant_bf16` rows bit for bit: the same products, added in the same order."""
-    rng = np.random.default_rng(6)
-    _, w, s, _, _ = make(rng, 1, 128, 512)
-    x = _raw_rows(rng, m, 512, dtype)
-    tiles = {"block_m": 16 if m < 32 else 32, "block_n": 64, "block_k": 128, "k_splits": k_splits, "num_warps": 4,
-             "num_stages": 2, "decode": "native", "interpret": True}
-    got = kernel_gpu.fp8_matmul(x, w, s, quantise=True, **tiles)
-    want = kernel_gpu.fp8_matmul(quant.act_quant_bf16(x), w, s, **tiles)
-    np.testing.assert_array_equal(np.asarray(got, np.float32).view(np.uint32),
-                                  np.asarray(want, np.float32).view(np.uint32))
-
-
-def test_act_quant_tile_is_act_quant_bf16_bit_for_bit():
-    rng = np.random.default_rng(7)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        x = _raw_rows(rng, 24, 1024, dtype)
-        got = np.asarray(jax.jit(act_quant_tile)(x)).view(np.uint16)
-        np.testing.assert_array_equal(got, np.asarray(quant.act_quant_bf16(x)).view(np.uint16))
-
-
-def test_linear_quantising_in_the_kernel_equals_the_linear_quantising_before_it():
-    x, w, s = _linear_inputs((2, 3))
-    before = api.linear(x, w, s, implementation="pallas", interpret=True)
-    inside = api.linear(x, w, s, implementation="pallas", interpret=True,
-                        block_sizes=api.BlockSizes(quantise_in_kernel=True))
-    np.testing.assert_array_equal(np.asarray(inside), np.asarray(before))
-
-
-def test_kernel_quantising_its_tiles_lowers_to_triton_for_cuda():
-    x, w, s, _, _ = make(np.random.default_rng(8), 8, 256, 2048)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        f = lambda x, w, s, dtype=dtype: kernel_gpu.fp8_matmul(
-            x.astype(dtype), w, s, block_m=16, block_n=64, block_k=256, k_splits=2, num_warps=4, num_stages=3,
-            decode="native", interpret=False, quantise=True)
-        assert "fp8_matmul" in jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_model_linear_takes_the_kernel_choice():

@@ -47,9 +47,6 @@ class BlockSizes:
     num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
     max_rows: above this many rows `linear` uses XLA's GEMM instead of the kernel (64: on the H200
       the kernel is 1.7x faster at 64 rows and 1.45x slower at 256, benchmarks/README.md).
-    quantise_in_kernel: `linear` hands the kernel the raw rows and each program act-quantises the
-      tiles it loads (the same values bit for bit), instead of two XLA launches before the kernel.
-      Off by default until it is measured on a GPU (benchmarks/model_speed.py, path "fused").
     """
     block_m: int | None = None
     block_n: int | None = None
@@ -60,7 +57,6 @@ class BlockSizes:
     decode: str = "native"
     max_rows: int = 64
     target_programs: int = 264  # two per SM of an H100/H200
-    quantise_in_kernel: bool = False
 
     def resolved(self, m: int, n: int, k: int) -> BlockSizes:
         block_m = self.block_m or min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
@@ -88,17 +84,15 @@ def _validate(x, w, s):
         raise ValueError(f"fp8_matmul: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, w, s, interpret, block_sizes, quantise=False):
+def _kernel_or_none(x, w, s, interpret, block_sizes):
     """The kernel's output, or None when the reference must run (a shape the kernel refuses);
-    callers check `gpu_kernel` first. quantise: x is raw rows the kernel act-quantises."""
+    callers check `gpu_kernel` first."""
     m, k = x.shape
     bs = (block_sizes or BlockSizes()).resolved(m, w.shape[0], k)
-    x = x if quantise and x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.bfloat16)
     try:
-        out = kernel_gpu.fp8_matmul(x, w, s, block_m=bs.block_m, block_n=bs.block_n,
+        out = kernel_gpu.fp8_matmul(x.astype(jnp.bfloat16), w, s, block_m=bs.block_m, block_n=bs.block_n,
                                     block_k=bs.block_k, k_splits=bs.k_splits, num_warps=bs.num_warps,
-                                    num_stages=bs.num_stages, decode=bs.decode, interpret=interpret,
-                                    quantise=quantise)
+                                    num_stages=bs.num_stages, decode=bs.decode, interpret=interpret)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
         return None
@@ -134,12 +128,9 @@ def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implemen
         rows = math.prod(x.shape[:-1])
         if rows > bs.max_rows:
             return quant.linear_fp8(x, w, s)
-        if bs.quantise_in_kernel:
-            xq = x.reshape(rows, x.shape[-1])
-        else:
-            xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
+        xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
         _validate(xq, w, s)
-        out = _kernel_or_none(xq, w, s, interpret, bs, quantise=bs.quantise_in_kernel)
+        out = _kernel_or_none(xq, w, s, interpret, bs)
         if out is None:
             return quant.linear_fp8(x, w, s)
         return out.reshape(*x.shape[:-1], w.shape[0])

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import SMEM_LIMIT, act_quant_tile, e8m0_f32, is_pow2
+from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2
 
 QBLOCK = 32  # weight scale block (rows and columns)
 
@@ -49,8 +49,8 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_m: int, block_n: int, block_k: int, k_steps: int,
-            decode: str, split: bool, quantise: bool):
-    # x_ref [M, K] bf16 (act-quantised), or bf16/fp32 raw rows when `quantise`; w_ref [N, K] e4m3 ("native") or int8
+            decode: str, split: bool):
+    # x_ref [M, K] bf16; w_ref [N, K] e4m3 ("native") or int8
     # ("bits"); s_ref [N/32, K/32] uint8; o_ref [M, N] bf16, or [splits, M, N] fp32 when split
     i, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0, n0 = i * block_m, j * block_n
@@ -61,8 +61,6 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_m: int, block_n: int, b
     def body(step, acc):
         kb = ks * k_steps + step
         xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(kb * block_k, block_k)], mask=rows < m, other=0.0)
-        if quantise:  # whole 32-column groups per tile: block_k is a multiple of 32
-            xb = act_quant_tile(xb, QBLOCK)
         wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
         sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
         sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
@@ -80,21 +78,16 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_m: int, block_n: int, b
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_n: int, block_k: int,
-               k_splits: int, num_warps: int, num_stages: int, decode: str, interpret: bool,
-               quantise: bool = False) -> jax.Array:
+               k_splits: int, num_warps: int, num_stages: int, decode: str, interpret: bool) -> jax.Array:
     """x bf16 [M, K] (act-quantised rows); w e4m3 [N, K]; s e8m0 (or uint8) [N/32, K/32]
     -> bf16 [M, N] when k_splits == 1, else fp32 partial sums [k_splits, M, N] (the caller adds
     them in split order).
 
-    quantise: x holds raw bf16 / fp32 rows and each program act-quantises the tiles it loads
-    (`_triton.act_quant_tile`, the values of `quant.act_quant_bf16` bit for bit), so the
-    quantiser needs no launches of its own; the products and their order are unchanged.
-
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     m, k = x.shape
     n = w.shape[0]
-    if x.dtype != jnp.bfloat16 and not (quantise and x.dtype == jnp.float32):
-        raise NotImplementedError(f"bf16 rows (or fp32 rows to quantise) only, got {x.dtype=}")
+    if x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
     if w.dtype != jnp.float8_e4m3fn:
         raise NotImplementedError(f"e4m3 weights only, got {w.dtype=}")
     if decode not in ("native", "bits"):
@@ -111,7 +104,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
         raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
     if max(n * k, m * max(k, n) * k_splits) >= 2**31:
         raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
-    smem = num_stages * (block_m * block_k * x.dtype.itemsize + block_n * block_k + (block_n // QBLOCK) * (block_k // QBLOCK))
+    smem = num_stages * (block_m * block_k * 2 + block_n * block_k + (block_n // QBLOCK) * (block_k // QBLOCK))
     if smem > SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({block_m=}, {block_n=}, {block_k=}, {num_stages=})")
@@ -121,7 +114,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_
         w = jax.lax.bitcast_convert_type(w, jnp.int8)
     split = k_splits > 1
     kernel = functools.partial(_kernel, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
-                               k_steps=k // block_k // k_splits, decode=decode, split=split, quantise=quantise)
+                               k_steps=k // block_k // k_splits, decode=decode, split=split)
     out_shape = (jax.ShapeDtypeStruct((k_splits, m, n), jnp.float32) if split
                  else jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))

@@ -17,7 +17,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics import exact_div, reciprocal_sqrt
+from dsv41_jax.numerics import mean, reciprocal_sqrt
 from pallas_kernels._dispatch import resolve as _resolve
 from pallas_kernels._dispatch import split_batch
 from pallas_kernels.sinkhorn import kernel_gpu, kernel_tpu
@@ -60,13 +60,11 @@ def _validate(mixes, scale, base, hc, iters, eps):
         raise ValueError(f"eps must be >= 0, got {eps=}")
 
 
-def _kernel_split(mixes2d, scale, base, rms, *, hc, iters, eps, target, block_sizes, interpret, rms_from=None):
+def _kernel_split(mixes2d, scale, base, rms, *, hc, iters, eps, target, block_sizes, interpret):
     if target == "gpu":
         return kernel_gpu.hc_split_sinkhorn(
             mixes2d, scale, base, rms, hc=hc, iters=iters, eps=eps, block_tokens=block_sizes.block_tokens,
-            num_warps=block_sizes.num_warps, division=block_sizes.division, interpret=interpret, rms_from=rms_from)
-    if rms_from is not None:
-        raise NotImplementedError("the TPU kernel takes the RMS factor, not the sums of squares")
+            num_warps=block_sizes.num_warps, division=block_sizes.division, interpret=interpret)
     return kernel_tpu.hc_split_sinkhorn(mixes2d, scale, base, rms, hc=hc, iters=iters, eps=eps,
                                         block_tokens=block_sizes.block_tokens, interpret=interpret)
 
@@ -74,9 +72,9 @@ def _kernel_split(mixes2d, scale, base, rms, *, hc, iters, eps, target, block_si
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _split(mixes2d, scale, base, rms, config):
     """Kernel forward; the backward differentiates the reference (rms: None or [t])."""
-    hc, iters, eps, target, block_sizes, interpret, rms_from = config
+    hc, iters, eps, target, block_sizes, interpret = config
     return _kernel_split(mixes2d, scale, base, rms, hc=hc, iters=iters, eps=eps, target=target,
-                         block_sizes=block_sizes, interpret=interpret, rms_from=rms_from)
+                         block_sizes=block_sizes, interpret=interpret)
 
 
 def _split_fwd(mixes2d, scale, base, rms, config):
@@ -85,10 +83,8 @@ def _split_fwd(mixes2d, scale, base, rms, config):
 
 def _split_bwd(config, res, cts):
     hc, iters, eps = config[:3]
-    rms_from = config[6]
 
     def ref(m, s, b, r):
-        r = r if rms_from is None else _rms_factor(r, *rms_from)
         m = m if r is None else m * r[:, None]
         pre, post, comb = _ref.hc_split_sinkhorn(m, s, b, hc=hc, iters=iters, eps=eps)
         return pre, post, comb.reshape(comb.shape[0], hc * hc)
@@ -117,15 +113,8 @@ def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, *, hc
                      target=target, block_sizes=block_sizes, interpret=interpret)
 
 
-def _rms_factor(sumsq: jax.Array, n: int, norm_eps: float) -> jax.Array:
-    """1 / sqrt(sumsq / n + norm_eps): the RMS factor of `hc_mixes` from sums of squares."""
-    return reciprocal_sqrt(exact_div(sumsq, jnp.float32(n)) + jnp.float32(norm_eps))
-
-
-def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target, block_sizes, interpret,
-              rms_from=None):
-    """rms: None, or the per-token RMS factor [...] that multiplies the mixes first (hc_mixes);
-    with rms_from = (n, norm_eps), the per-token sums of squares that factor comes from."""
+def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target, block_sizes, interpret):
+    """rms: None, or the per-token RMS factor [...] that multiplies the mixes first (hc_mixes)."""
     _validate(mixes, scale, base, hc, iters, eps)
     use_kernel, target = _resolve(implementation, target, interpret)
     lead = mixes.shape[:-1]
@@ -134,7 +123,6 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
         t *= n
 
     def reference(mixes, rms, scale=scale, base=base):
-        rms = rms if rms_from is None or rms is None else _rms_factor(rms, *rms_from)
         m = mixes if rms is None else mixes * rms[..., None]
         return _ref.hc_split_sinkhorn(m, scale, base, hc=hc, iters=iters, eps=eps)
 
@@ -144,7 +132,7 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
     mixes2d = mixes.astype(jnp.float32).reshape(t, mixes.shape[-1])
     rms1d = None if rms is None else rms.astype(jnp.float32).reshape(t)
     scale32, base32 = scale.astype(jnp.float32), base.astype(jnp.float32)
-    config = (hc, iters, float(eps), target, bs, interpret, rms_from)
+    config = (hc, iters, float(eps), target, bs, interpret)
 
     def kernel(mixes2d, rms1d):  # per data shard on a mesh (split_batch)
         try:
@@ -152,8 +140,7 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
                 raise NotImplementedError("zero tokens")
             # trace the kernel once here so an unsupported case surfaces before custom_vjp wraps it
             jax.eval_shape(functools.partial(_kernel_split, hc=hc, iters=iters, eps=float(eps), target=target,
-                                             block_sizes=bs, interpret=interpret, rms_from=rms_from),
-                           mixes2d, scale32, base32, rms1d)
+                                             block_sizes=bs, interpret=interpret), mixes2d, scale32, base32, rms1d)
         except NotImplementedError as e:
             logger.warning("hc_split_sinkhorn: %s kernel does not handle mixes %s (%s); using the reference",
                            target, mixes2d.shape, e)
@@ -168,16 +155,14 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
 
 def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, norm_eps: float, iters: int,
              hc_eps: float, implementation: Implementation = "auto", target: Target | None = None,
-             block_sizes: BlockSizes | None = None, interpret: bool = False,
-             fused: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+             block_sizes: BlockSizes | None = None,
+             interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The whole Sinkhorn site (SPEC §4.2): x [b, s, hc, d] -> (pre, post, comb), f32.
 
     mixes = (fn @ u) * rsqrt(mean(u^2) + norm_eps) over the flattened stream u = x [b, s, hc * d];
     the projection (`project_rounded_once`) and the mean of squares stay in XLA; the kernel applies
     the RMS factor and the split in one launch (the reference path multiplies first: the same f32
     product). This is the model's site (`dsv41_jax.mhc.hc_mixes` calls it).
-    fused (GPU kernel only): the kernel also forms the factor from the sums of squares (the same
-    IEEE steps: `mean`'s division, `reciprocal_sqrt`), one XLA launch fewer.
     Gradients (also on the kernel path) come from the reference math.
     """
     b, s, hc, d = x.shape
@@ -185,13 +170,10 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
     if fn.shape != (n_mix, hc * d):
         raise ValueError(f"fn must be [{n_mix}, {hc * d}] for x {x.shape}, got {fn.shape=}")
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
-    sumsq = jnp.sum(jnp.square(u), axis=-1)  # [b, s]
+    rsqrt = reciprocal_sqrt(mean(jnp.square(u), axis=-1) + jnp.float32(norm_eps))  # [b, s]
     proj = project_rounded_once(u, fn.astype(jnp.float32))
-    kw = {"hc": hc, "iters": iters, "eps": hc_eps, "implementation": implementation, "target": target,
-          "block_sizes": block_sizes, "interpret": interpret}
-    if fused and _resolve(implementation, target, interpret) == (True, "gpu"):
-        return _dispatch(proj, scale, base, sumsq, **kw, rms_from=(hc * d, float(norm_eps)))
-    return _dispatch(proj, scale, base, _rms_factor(sumsq, hc * d, norm_eps), **kw)
+    return _dispatch(proj, scale, base, rsqrt, hc=hc, iters=iters, eps=hc_eps, implementation=implementation,
+                     target=target, block_sizes=block_sizes, interpret=interpret)
 
 
 def project_rounded_once(u: jax.Array, fn: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import ptx_f32, rms_factor
+from pallas_kernels._triton import ptx_f32
 
 
 class _Divider:
@@ -48,13 +48,12 @@ class _Divider:
         if r is None:
             return ptx_f32("div.rn.f32 $0, $1, $2;", x, s)
         return ptx_f32("{ .reg .f32 qq, ee, nn; mul.rn.f32 qq, $1, $3; neg.f32 nn, $2; "
-                    "fma.rn.f32 ee, nn, qq, $1; fma.rn.f32 $0, ee, $3, qq; }", x, s, r)
+                       "fma.rn.f32 ee, nn, qq, $1; fma.rn.f32 $0, ee, $3, qq; }", x, s, r)
 
 
 def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, n_tokens: int,
-            block_tokens: int, has_rms: bool, division: str, interpret: bool, rms_from: tuple | None = None):
-    # m_ref [t, (2 + hc) * hc] f32; scale_ref [3]; base_ref [(2 + hc) * hc]; rms_ref [t] (optional:
-    # the RMS factor, or with rms_from = (n, norm_eps) the sum of squares it is formed from)
+            block_tokens: int, has_rms: bool, division: str, interpret: bool):
+    # m_ref [t, (2 + hc) * hc] f32; scale_ref [3]; base_ref [(2 + hc) * hc]; rms_ref [t] (optional)
     # outputs: pre_ref [t, hc], post_ref [t, hc], comb_ref [t, hc * hc], all f32
     if has_rms:
         rms_ref, pre_ref, post_ref, comb_ref = rest
@@ -65,8 +64,6 @@ def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, 
     # masked-off lanes keep their out-of-range token ids: never clamp them onto a real row, whose
     # value a masked store would otherwise race with
     rms = plgpu.load(rms_ref.at[tok], mask=live, other=0.0) if has_rms else None
-    if rms_from is not None:
-        rms = rms_factor(rms, *rms_from, interpret)
     div = _Divider(division, interpret)
     one = jnp.full((block_tokens,), 1.0, jnp.float32)
 
@@ -135,12 +132,10 @@ def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, 
 
 def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, rms: jax.Array | None, *,
                       hc: int, iters: int, eps: float, block_tokens: int, num_warps: int, division: str,
-                      interpret: bool, rms_from: tuple | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """mixes f32 [t, (2 + hc) * hc]; scale f32 [3]; base f32 [(2 + hc) * hc]; rms f32 [t] or None
     (multiplies the mixes first: the RMS factor of `hc_mixes`, fused) ->
     pre f32 [t, hc], post f32 [t, hc], comb f32 [t, hc * hc] (row-major hc x hc).
-    rms_from = (n, norm_eps): rms holds each token's sum of squares and the kernel forms the factor
-    1 / sqrt(sum / n + norm_eps) itself (`_triton.rms_factor`), one launch fewer.
 
     Raises NotImplementedError for layouts this kernel does not handle (the caller falls back)."""
     t = mixes.shape[0]
@@ -150,10 +145,8 @@ def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, rms: 
         raise NotImplementedError(f"no tokens ({mixes.shape=})")
     _Divider(division, interpret)  # validates the mode
     has_rms = rms is not None
-    if rms_from is not None and not has_rms:
-        raise NotImplementedError("rms_from needs the sums of squares in rms")
     kernel = functools.partial(_kernel, hc=hc, iters=iters, eps=float(eps), n_tokens=t, block_tokens=block_tokens,
-                               has_rms=has_rms, division=division, interpret=interpret, rms_from=rms_from)
+                               has_rms=has_rms, division=division, interpret=interpret)
     args = (mixes, scale, base) + ((rms,) if has_rms else ())
     out_shape = (jax.ShapeDtypeStruct((t, hc), jnp.float32), jax.ShapeDtypeStruct((t, hc), jnp.float32),
                  jax.ShapeDtypeStruct((t, hc * hc), jnp.float32))
