@@ -69,7 +69,10 @@ class Gate(nnx.Module):
         """x [N, dim] (bf16), image_mask [N] bool or None -> (weights f32 [N, k], indices int32 [N, k]).
 
         Indices are in top-k order (descending biased score; ties -> lower expert id)."""
-        logits = gate_logits(x, self.weight[...]) / _F32(self.gate_temp)
+        logits = jax.lax.dot_general(
+            x.astype(_F32), self.weight[...].astype(_F32), (((1,), (1,)), ((), ())),
+            precision=_HIGHEST, preferred_element_type=_F32,
+        ) / _F32(self.gate_temp)
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
         elif self.score_func == "sigmoid":
@@ -90,19 +93,6 @@ class Gate(nnx.Module):
             weights = exact_div(weights, (total + _F32(ROUTE_NORM_EPS))[:, None])
         weights = weights * _F32(self.route_scale)
         return weights, indices.astype(jnp.int32)
-
-
-def gate_logits(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, dim] @ w [E, dim]^T -> f32 [N, E], the reference's fp32 linear of the widened operands.
-
-    With bf16 x and w (the model's case) every product is exact in fp32, so one bf16 dot with fp32
-    accumulation forms the same products as the fp32 dot (they may be added in another order),
-    reads the bf16 weight once instead of widening it in HBM each step, and runs on the tensor
-    cores (as `model.head_logits`). Other dtypes take the fp32 dot (HIGHEST)."""
-    dims = (((1,), (1,)), ((), ()))
-    if x.dtype == _BF16 and w.dtype == _BF16:
-        return jax.lax.dot_general(x, w, dims, preferred_element_type=_F32)
-    return jax.lax.dot_general(x.astype(_F32), w.astype(_F32), dims, precision=_HIGHEST, preferred_element_type=_F32)
 
 
 # ------------------------------------------------------------------------------------ experts

@@ -13,16 +13,9 @@ rounds once to f32, which is the correctly rounded f32 quotient (f64 carries mor
 2 x 24 + 2 bits that rule out a double rounding); TPUs have no float64, so there it is the
 backend's f32 division.
 
-In float64, XLA's rewrite of `a / b` into `a * (1/b)` is harmless, so no barrier stops it there
-(and the division fuses with its neighbours). For f32 a, b whose quotient is an f32 normal, the
-exact quotient is never an f32 rounding midpoint and lies at least 2^-49 (relative) from every
-midpoint (a = A 2^i, b = B 2^j, midpoint m = M 2^e with A, B < 2^24 and M odd < 2^25: a - m b is
-a non-zero multiple of 2^min(i, e + j)), while the two float64 roundings (1/b, then the product)
-move it by at most about 2^-52; both forms round to the same f32. Only a quotient below 2^-126
-(an f32 subnormal) can sit exactly on a midpoint, and then the product form may round that tie
-the other way; no quotient the model forms comes near that range (the smallest are scales and
-normalisers of activations, and quantiser quotients that far down round to zero either way).
-tests/test_numerics.py checks the normal range on near-midpoint pairs.
+The float64 divisor goes through an optimization barrier: without it XLA:GPU folds
+f32(f64(a) / f64(b)) back into an f32 division (`div.full.f32` again; measured on an H200, 30% of
+random quotients then differ from IEEE and golden parity fails in most blocks).
 """
 
 from __future__ import annotations
@@ -50,14 +43,16 @@ def to_bf16(x: jax.Array) -> jax.Array:
 def exact_div(a: jax.Array, b) -> jax.Array:
     """a / b, f32, correctly rounded (IEEE) on CPU and GPU; shapes broadcast.
 
-    Divides in float64 where the backend has it (see the module docstring: XLA may form the
-    quotient as a * (1/b) there and it still rounds to the IEEE f32 quotient). In f32 (TPU) a
-    barrier on the full-shape divisor keeps XLA from that rewrite, which would move exact ties."""
+    Divides in float64 where the backend has it (see the module docstring). The barrier on the
+    full-shape divisor keeps XLA from folding the float64 division back into f32 and from
+    rewriting it as a * (1 / b) (which it does for a broadcast divisor, and which in f32 would move
+    exact ties)."""
     a = jnp.asarray(a, jnp.float32) if not hasattr(a, "dtype") else a
+    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
     if a.dtype == jnp.float32 and jax.default_backend() != "tpu":
         with jax.enable_x64(True):
-            return (a.astype(jnp.float64) / jnp.asarray(b, a.dtype).astype(jnp.float64)).astype(jnp.float32)
-    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
+            a64 = jnp.broadcast_to(a, b.shape).astype(jnp.float64)
+            return (a64 / jax.lax.optimization_barrier(b.astype(jnp.float64))).astype(jnp.float32)
     return a / jax.lax.optimization_barrier(b)
 
 
