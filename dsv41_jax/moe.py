@@ -33,7 +33,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear, linear_kernels
-from dsv41_jax.numerics import cast, exact_div
+from dsv41_jax.numerics import cast, exact_div, in_float64
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
 
@@ -76,9 +76,9 @@ class Gate(nnx.Module):
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
         elif self.score_func == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
+            scores = in_float64(jax.nn.sigmoid, logits)
         else:
-            scores = jnp.sqrt(jax.nn.softplus(logits))
+            scores = jnp.sqrt(in_float64(jax.nn.softplus, logits))
         bias = self.bias[...]
         if image_mask is not None and self.bias_vl is not None:
             bias = jnp.where(image_mask[:, None], self.bias_vl[...], bias)
@@ -110,7 +110,7 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float, weights: jax.Array | No
     if limit > 0:
         u = jnp.clip(u, -limit, limit)
         g = jnp.minimum(g, _F32(limit))
-    h = jax.nn.silu(g) * u
+    h = in_float64(jax.nn.silu, g) * u
     if weights is not None:
         h = weights.astype(_F32) * h
     return cast(h, out_dtype)

@@ -75,3 +75,16 @@ def reciprocal_sqrt(x: jax.Array) -> jax.Array:
     else:
         root = jnp.sqrt(x)
     return exact_div(jnp.ones_like(x), root)
+
+
+def in_float64(fn, x: jax.Array) -> jax.Array:
+    """fn(x) for f32 x evaluated in float64 and rounded once to f32: the golden oracle evaluates
+    torch's `F.softplus`, `F.silu` and `torch.sigmoid` that way (golden README, "What the oracle's
+    numerics are"), which is the correctly rounded f32 value but for float64 libm error far below
+    an f32 rounding step. XLA's f32 versions differ from it in the last bits (softplus: 9% of
+    values, up to 3 ulp on CPU). The barrier keeps XLA from narrowing the float64 evaluation back
+    into f32 (as it does to a float64 division on GPU); TPUs have no float64 and run fn in f32."""
+    if x.dtype == jnp.float32 and jax.default_backend() != "tpu":
+        with jax.enable_x64(True):
+            return fn(jax.lax.optimization_barrier(x.astype(jnp.float64))).astype(jnp.float32)
+    return fn(x)
