@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as plgpu
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
 
@@ -26,11 +25,3 @@ def e8m0_f32(b: jax.Array) -> jax.Array:
     `dsv41_jax.quant.e8m0_to_f32`), built from the exponent bits inside a kernel."""
     bits = jnp.where(b == 0, jnp.int32(1 << 22), jnp.where(b == 255, jnp.int32(0x7FC00000), b << 23))
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def ptx_f32(code: str, *args: jax.Array) -> jax.Array:
-    """One inline-PTX instruction (or block) per element of f32 operands of one shape -> f32."""
-    (out,) = plgpu.elementwise_inline_asm(
-        code, args=list(args), constraints="=r," + ",".join("r" * len(args)), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
-    return out

@@ -20,7 +20,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import ptx_f32
+
+def _asm(code: str, *args: jax.Array) -> jax.Array:
+    (out,) = plgpu.elementwise_inline_asm(
+        code, args=list(args), constraints="=r," + ",".join("r" * len(args)), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+    return out
 
 
 class _Divider:
@@ -39,16 +44,16 @@ class _Divider:
     def prepare(self, s: jax.Array):
         if self.interpret or self.mode == "div_rn":
             return s, None
-        return s, ptx_f32("rcp.rn.f32 $0, $1;", s)
+        return s, _asm("rcp.rn.f32 $0, $1;", s)
 
     def __call__(self, x: jax.Array, prepared) -> jax.Array:
         s, r = prepared
         if self.interpret:
             return x / s
         if r is None:
-            return ptx_f32("div.rn.f32 $0, $1, $2;", x, s)
-        return ptx_f32("{ .reg .f32 qq, ee, nn; mul.rn.f32 qq, $1, $3; neg.f32 nn, $2; "
-                       "fma.rn.f32 ee, nn, qq, $1; fma.rn.f32 $0, ee, $3, qq; }", x, s, r)
+            return _asm("div.rn.f32 $0, $1, $2;", x, s)
+        return _asm("{ .reg .f32 qq, ee, nn; mul.rn.f32 qq, $1, $3; neg.f32 nn, $2; "
+                    "fma.rn.f32 ee, nn, qq, $1; fma.rn.f32 $0, ee, $3, qq; }", x, s, r)
 
 
 def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, n_tokens: int,
