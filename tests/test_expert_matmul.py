@@ -238,10 +238,10 @@ def test_subnormal_decode_is_wrong_where_subnormals_flush():
 def test_block_size_defaults():
     assert api.BlockSizes().resolved(16, 64, 256, interpret=True).decode == "select"
     assert api.BlockSizes().resolved(16, 64, 256, interpret=False).decode == "pairs"
-    # released w1 (N 2304, K 5120): one token (6 tiles) 128-column blocks, eight tokens 64
-    one, eight = (api.BlockSizes().resolved(16, 2304, 5120, tiles=t) for t in (6, 48))
-    assert (one.block_n, one.block_k, eight.block_n, eight.block_k) == (128, 512, 64, 512)
-    big = api.BlockSizes().resolved(128, 2304, 5120, tiles=100)  # prefill tiles: 128 x 128 fits shared memory
+    # released w1 (N 2304, K 5120) and w2 (N 5120, K 2304) at decode tiles: 64-column blocks
+    one, w2 = api.BlockSizes().resolved(16, 2304, 5120), api.BlockSizes().resolved(16, 5120, 2304)
+    assert (one.block_n, one.block_k, w2.block_n, w2.block_k) == (64, 512, 64, 256)
+    big = api.BlockSizes().resolved(128, 2304, 5120)  # prefill tiles: 128 x 128 fits shared memory
     assert (big.block_n, big.block_k) == (128, 128)
     # three pipeline stages for decode tiles, two for prefill tiles; an explicit choice is kept
     assert (one.num_stages, big.num_stages, api.BlockSizes().resolved(64, 2304, 5120).num_stages) == (3, 2, 2)

@@ -33,9 +33,6 @@ logger = logging.getLogger(__name__)
 
 Implementation = Literal["auto", "reference", "pallas"]
 
-_SMS = 132  # H100/H200 multiprocessors, for the block_n choice
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiles of the GPU kernel; None picks a default from the rows per tile.
@@ -51,13 +48,15 @@ class BlockSizes:
       compiled GPU kernels (1.3-1.6x faster than "subnormal" on the H200; exact: the compiled
       oracle tests pass), "select" in interpret mode (PTX has no CPU path; XLA on CPU flushes
       subnormals).
-    Defaults measured on the released w1 (N 2304, K 5120) on the H200: at up to 16 rows per tile
-    block_k 512 (1.25-1.3x faster than 256 with "pairs"), 3 stages (2 or 4: 1.04-1.12x slower)
-    and 128-column blocks while the grid stays under two waves of programs (one token: 48.9
-    against 60.5 µs), else 64 (eight tokens: 164 against 175 µs); larger tiles keep 128 x 128
-    (a 512-deep step would not fit shared memory) with 2 stages (64-row tiles at 4096 tokens:
-    w1 3539 against 3613 µs with 3 stages, w2 3343 against 3493; 128-row tiles 4368 against
-    5283; 4 stages and 1 stage slower; benchmarks/README.md).
+    Defaults measured on the released w1 (N 2304, K 5120) and w2 (N 5120, K 2304) on the H200
+    (device time from profiles, benchmarks/README.md, ninth run): at up to 16 rows per tile
+    64-column blocks (one token, w1: 26.9 against 35.6 µs with 128 columns, 28.9 with 32; w2
+    27.4 against 27.6; eight tokens: w1 140.0 against 147.4 with 32), block_k 512 (1.25-1.3x
+    faster than 256 with "pairs"; w2's K 2304 takes 256) and 3 stages (2: 30.1 µs); splitting K
+    over 2-5 programs gains nothing there (27.1-28.1 µs). Larger tiles keep 128 x 128 (a
+    512-deep step would not fit shared memory) with 2 stages (64-row tiles at 4096 tokens: w1
+    3539 against 3613 µs with 3 stages, w2 3343 against 3493; 128-row tiles 4368 against 5283; 4
+    stages and 1 stage slower).
     """
     block_n: int | None = None
     block_k: int | None = None
@@ -65,12 +64,11 @@ class BlockSizes:
     num_stages: int | None = None
     decode: str | None = None
 
-    def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 1) -> BlockSizes:
-        # few rows: the program streams weight bytes; wide N blocks while the grid is short of
-        # two waves, else narrow ones for more programs; many rows: square-ish MMA tiles.
-        # Defaults halve until they divide the shape (the kernel rejects what still does not).
-        wide = rows > 16 or tiles * n // 128 <= 2 * _SMS
-        block_n = self.block_n or fit_block(128 if wide else 64, n, 16)
+    def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
+        # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
+        # MMA tiles. Defaults halve until they divide the shape (the kernel rejects what still
+        # does not).
+        block_n = self.block_n or fit_block(64 if rows <= 16 else 128, n, 16)
         block_k = self.block_k or fit_block(512 if rows <= 16 else 128, k, 128)
         num_stages = self.num_stages or (3 if rows <= 16 else 2)
         decode = self.decode or ("select" if interpret else "pairs")
@@ -92,7 +90,7 @@ def _validate(x, w, s, what: str):
 def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
     """The kernel's output, or None when the reference must run (a shape the kernel refuses);
     callers check `gpu_kernel` first."""
-    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret, te.shape[0])
+    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret)
     try:
         return kernel_gpu.expert_matmul(
             x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
