@@ -4,7 +4,10 @@ plus any directories listed in DSV41_EXTRA_GOLDEN (os.pathsep-separated, same la
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -32,3 +35,46 @@ GOLDEN_DIRS = golden_set_dirs()
 @pytest.fixture(params=GOLDEN_DIRS, ids=[p.name for p in GOLDEN_DIRS], scope="session")
 def golden(request) -> GoldenSet:
     return GoldenSet(request.param)
+
+
+class Child:
+    """A Python subprocess whose stdout / stderr go to temporary files (a chatty child never
+    blocks on a full pipe). `wait` returns (exit status, stdout, stderr); past the timeout the
+    child is killed (status -9)."""
+
+    running: ClassVar[list[Child]] = []
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path):
+        # files that outlive this call: read in `wait`, closed when the object goes
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._out, stderr=self._err, text=True)
+        Child.running.append(self)
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.seek(0)
+        self._err.seek(0)
+        return self.proc.returncode, self._out.read(), self._err.read()
+
+
+def pytest_collection_finish(session):
+    """Tests marked `fake_devices` read one subprocess per module (`start_child()`, cached, with
+    8 fake CPU devices); it starts as soon as collection has selected one of them, so it runs
+    beside the rest of the suite instead of inside its first test."""
+    if session.config.option.collectonly:
+        return
+    started = set()
+    for item in session.items:
+        if item.get_closest_marker("fake_devices") and item.module not in started:
+            started.add(item.module)
+            item.module.start_child()
+
+
+def pytest_sessionfinish(session):
+    for child in Child.running:  # a run stopped early (-x, Ctrl-C) leaves no stray process
+        if child.proc.poll() is None:
+            child.proc.kill()

@@ -4,6 +4,7 @@ the bf16 debug mode, and convert -> load round trips against direct loading."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import Child
 from convert import ConversionError, convert_checkpoint, main
 from convert.plan import DROP_REASONS, engram_rows_multiple
 from dsv41_jax import quant
@@ -492,17 +495,29 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def test_conversions_for_several_eight_device_meshes_restore_their_rule_shardings_and_give_identical_logits(tmp_path):
+SHARDED_MESHES = [("expert=8", True), ("expert=4,data=2", False), ("data=2,expert=2,tensor=2", True)]
+_CHILD_DIRS: list = []  # the child's output directories, removed when this process exits
+
+
+@functools.cache
+def start_child() -> Child:
+    """The 8-fake-device conversions of the test below, in one subprocess writing to a temporary
+    directory (tests/conftest.py starts it right after collection when the test is selected)."""
+    out = tempfile.TemporaryDirectory()
+    _CHILD_DIRS.append(out)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    return Child([sys.executable, "-c", _SHARDED_CHILD, str(GOLDEN / "tiny-a"), out.name, json.dumps(SHARDED_MESHES)],
+                 env, REPO)
+
+
+@pytest.mark.fake_devices
+def test_conversions_for_several_eight_device_meshes_restore_their_rule_shardings_and_give_identical_logits():
     """tiny-a's tables have 3252 and 3496 rows; 3252 is padded to 3256 so that both split 8 ways
     (every mesh of 8 devices: the rule splits tables over all axes). Logits are compared bit for
     bit with the single-device model loaded from the hub (measured: equal on every mesh)."""
-    meshes = [("expert=8", True), ("expert=4,data=2", False), ("data=2,expert=2,tensor=2", True)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD, str(GOLDEN / "tiny-a"), str(tmp_path),
-                           json.dumps(meshes)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[7:])
+    status, stdout, stderr = start_child().wait(timeout=600)
+    assert status == 0, stderr[-3000:]
+    report = json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))[7:])
     common = {"unequal": [], "misplaced": [], "table_rows": [3256, 3496], "table_shard": [407, 437], "n_devices": 8}
     assert report == {
         "expert=8": {**common, "expert_shard": 1, "logits_equal": True},

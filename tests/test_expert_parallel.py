@@ -2,8 +2,9 @@
 meshes of 8 fake CPU devices, for both communication patterns, and the whole model (prefill
 logits, greedy decode steps) under a mesh equal to the single-device run on every golden set.
 
-The multi-device cases run in one subprocess (this pytest process has one device) that prints
-one JSON line of results; the tests below read it.
+The multi-device cases (marked `fake_devices`) run in one subprocess (this pytest process has one
+device) that prints one JSON line of results; the tests below read it. tests/conftest.py starts it
+right after collection, so it runs beside the rest of the suite.
 
 The whole-model meshes keep `data` = 1: with batch rows split over `data`, the rest of the model
 (Engram layer 4 of tiny-a, one element by 1 bf16 ulp, with or without expert parallelism)
@@ -16,7 +17,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh
 from dsv41_jax import expert_parallel as ep
 from dsv41_jax.config import ModelArgs
 
-from conftest import GOLDEN_DIRS
+from conftest import GOLDEN_DIRS, Child
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -223,16 +223,22 @@ def _results() -> dict:
 
 
 @functools.cache
-def _run_child() -> tuple[str, dict | str]:
-    """One subprocess for every multi-device case (its failure is kept too, not re-run per test)."""
+def start_child() -> Child:
+    """The one subprocess for every multi-device case (tests/conftest.py starts it right after
+    collection when one of its tests is selected)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     golden = [[str(p), _model_mesh(p)] for p in GOLDEN_DIRS]
     payload = json.dumps([list(MESHES), golden, DECODE_STEPS])
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(TESTS), payload], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if proc.returncode != 0 or not lines:
-        return "failed", proc.stderr[-4000:]
+    return Child([sys.executable, "-c", _CHILD, str(TESTS), payload], env, REPO)
+
+
+@functools.cache
+def _run_child() -> tuple[str, dict | str]:
+    """The subprocess's results (its failure is kept too, not re-run per test)."""
+    status, out, err = start_child().wait(timeout=900)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULTS ")]
+    if status != 0 or not lines:
+        return "failed", f"exit status {status}\n" + err[-4000:]
     return "ok", json.loads(lines[0][len("RESULTS "):])
 
 
@@ -283,6 +289,7 @@ def test_expert_axis_that_does_not_divide_the_experts_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.fake_devices
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("case", ["decode_auto", "prefill_auto", "prefill_replicated", "small_all_to_all",
                                   "skewed_multi_round"])
@@ -297,6 +304,7 @@ def test_expert_parallel_moe_is_bit_identical_to_one_device(mesh, case):
 
 
 @pytest.mark.slow
+@pytest.mark.fake_devices
 @pytest.mark.parametrize("mesh", ["expert=8", "expert=4,data=2"])
 @pytest.mark.parametrize("case", ["kernel_decode", "kernel_prefill"])
 def test_expert_parallel_moe_runs_the_fp4_kernel_and_equals_one_device(mesh, case):
@@ -310,6 +318,7 @@ def test_expert_parallel_moe_runs_the_fp4_kernel_and_equals_one_device(mesh, cas
 
 
 @pytest.mark.slow
+@pytest.mark.fake_devices
 @pytest.mark.parametrize("path", GOLDEN_DIRS, ids=[p.name for p in GOLDEN_DIRS])
 def test_whole_model_prefill_and_greedy_decode_under_a_mesh_equal_one_device(path):
     r = _results()["model"][path.name]
