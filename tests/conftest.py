@@ -67,11 +67,9 @@ def pytest_collection_finish(session):
     beside the rest of the suite instead of inside its first test."""
     if session.config.option.collectonly:
         return
-    started = set()
     for item in session.items:
-        if item.get_closest_marker("fake_devices") and item.module not in started:
-            started.add(item.module)
-            item.module.start_child()
+        if item.get_closest_marker("fake_devices"):
+            item.module.start_child()  # cached: one subprocess per module
 
 
 def pytest_sessionfinish(session):
