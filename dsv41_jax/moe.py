@@ -151,6 +151,11 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return cast(y, _BF16)
 
 
+def _packed(lins) -> tuple[tuple, tuple]:
+    """Linears -> (their packed weights, their scales), as the expert_matmul tuples."""
+    return tuple(m.weight[...] for m in lins), tuple(m.scale[...] for m in lins)
+
+
 def _sorted_rows(x, src, weights, order, c):
     """The pairs' rows x[src] and routing weights in `order` (expert-sorted), plus c zero rows for
     the last tile to read past: (bf16 [R + c, dim], f32 [R + c])."""
@@ -249,8 +254,8 @@ class Experts(nnx.Module):
         order, te, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
         x_sorted, w_sorted = _sorted_rows(x, src, weights, order, c)
 
-        def matmul(rows, lin):
-            return expert_matmul.grouped_matmul(rows, lin.weight[...], lin.scale[...], te, row0, valid, c,
+        def matmul(rows, lins):
+            return expert_matmul.grouped_matmul(rows, *_packed(lins), te, row0, valid, c,
                                                 implementation=self.kernels, interpret=self.kernels_interpret)
 
         y = self.kernel_ffn(x_sorted, w_sorted, matmul)[:r]
@@ -278,10 +283,12 @@ class Experts(nnx.Module):
         return use and target == "gpu"
 
     def kernel_ffn(self, xq: jax.Array, weights: jax.Array, matmul) -> jax.Array:
-        """`ffn` with each projection as `matmul(x, linear) -> bf16` (an expert_matmul call on
-        the packed weights): xq [M, dim] bf16, weights [M] f32 -> bf16 [M, dim]."""
-        h = swiglu(matmul(xq, self.w1), matmul(xq, self.w3), self.swiglu_limit, weights[:, None])
-        return matmul(_quantise_input(h, self.dtype), self.w2)
+        """`ffn` with the projections as `matmul(x, linears) -> one bf16 result per linear` (an
+        expert_matmul call on the packed weights; w1 and w3 in one call): xq [M, dim] bf16,
+        weights [M] f32 -> bf16 [M, dim]."""
+        gate, up = matmul(xq, (self.w1, self.w3))
+        (y,) = matmul(_quantise_input(swiglu(gate, up, self.swiglu_limit, weights[:, None]), self.dtype), (self.w2,))
+        return y
 
 
 # ----------------------------------------------------------------------------------------- MoE
@@ -359,9 +366,8 @@ class MoE(nnx.Module):
             e = indices.reshape(-1)
             interp = ex.kernels_interpret
 
-            def matmul(x, lin):
-                return expert_matmul.gather_matmul(x, lin.weight[...], lin.scale[...], e, implementation=ex.kernels,
-                                                   interpret=interp)
+            def matmul(x, lins):
+                return expert_matmul.gather_matmul(x, *_packed(lins), e, implementation=ex.kernels, interpret=interp)
 
             return ex.kernel_ffn(jnp.repeat(xq, k, axis=0), weights.reshape(-1), matmul)
         w1, w3, w2 = ex.dense(indices.reshape(-1))

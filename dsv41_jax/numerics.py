@@ -8,14 +8,16 @@ exactly, and parity depends on both, so every such point goes through these help
 XLA:GPU lowers an f32 division to PTX `div.full.f32` (up to 2 ulp off, not correctly rounded):
 an e2m1 / e4m3 tie such as x / s = 1.25 can come out as 1.2500001 and round up, which moves a
 compressed-KV value by a whole fp4 step (measured on an H200: 2 of 4096 values of a tiny layer,
-enough to change 12-24% of the block's outputs). `exact_div` therefore divides in float64 and
-rounds once to f32, which is the correctly rounded f32 quotient (f64 carries more than the
-2 x 24 + 2 bits that rule out a double rounding); TPUs have no float64, so there it is the
-backend's f32 division.
-
-The float64 divisor goes through an optimization barrier: without it XLA:GPU folds
-f32(f64(a) / f64(b)) back into an f32 division (`div.full.f32` again; measured on an H200, 30% of
-random quotients then differ from IEEE and golden parity fails in most blocks).
+enough to change 12-24% of the block's outputs). Dividing in float64 and rounding once would be
+exact (f64 carries more than the 2 x 24 + 2 bits that rule out a double rounding), but XLA:GPU
+folds f32(f64(a) / f64(b)) back into the f32 division (measured on an H200: 30% of random
+quotients then differ from IEEE), and an optimization barrier that prevents it splits every
+division site into kernels of its own. So `exact_div` takes the backend's f32 quotient q, however
+rounded, and corrects it in float64 (`correct_quotient`): the residual a - q b is exact there,
+and q + (a - q b) / b is a/b to far better than the distance any f32 quotient keeps from an f32
+rounding midpoint, so rounding it once gives the IEEE quotient. Nothing in that is a pattern
+XLA narrows, and it fuses with its producers and consumers. TPUs have no float64: there it is
+the backend's f32 division.
 """
 
 from __future__ import annotations
@@ -43,17 +45,32 @@ def to_bf16(x: jax.Array) -> jax.Array:
 def exact_div(a: jax.Array, b) -> jax.Array:
     """a / b, f32, correctly rounded (IEEE) on CPU and GPU; shapes broadcast.
 
-    Divides in float64 where the backend has it (see the module docstring). The barrier on the
-    full-shape divisor keeps XLA from folding the float64 division back into f32 and from
-    rewriting it as a * (1 / b) (which it does for a broadcast divisor, and which in f32 would move
-    exact ties)."""
+    The backend's f32 quotient corrected in float64 (`correct_quotient`, module docstring), so the
+    result does not depend on how the backend divides or whether it rewrites a / b as a * (1 / b)
+    (which XLA does for a broadcast divisor). On TPUs the f32 division, the divisor behind a
+    barrier (against the reciprocal rewrite)."""
     a = jnp.asarray(a, jnp.float32) if not hasattr(a, "dtype") else a
     b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
     if a.dtype == jnp.float32 and jax.default_backend() != "tpu":
-        with jax.enable_x64(True):
-            a64 = jnp.broadcast_to(a, b.shape).astype(jnp.float64)
-            return (a64 / jax.lax.optimization_barrier(b.astype(jnp.float64))).astype(jnp.float32)
+        a = jnp.broadcast_to(a, b.shape)
+        return correct_quotient(a, b, a / b)
     return a / jax.lax.optimization_barrier(b)
+
+
+def correct_quotient(a: jax.Array, b: jax.Array, q: jax.Array) -> jax.Array:
+    """The IEEE f32 quotient a / b from any f32 q within a few ulp of it (f32 arrays, one shape).
+
+    In float64: r = a - q b is exact (q b has at most 48 significant bits, and a and q b are
+    within a factor of 2, so the subtraction is exact), so a / b = q + r / b exactly, and
+    t = q + r / b rounded to float64 is within about 2^-52 |a/b| of it. A quotient of two f32
+    values is never an f32 rounding midpoint and stays at least about 2^-49 |a/b| away from one
+    (a - m b, for a midpoint m with 25 significant bits, is a nonzero multiple of 2^-48 a or so),
+    so t rounds to the same f32 as a / b. Where q is not finite, or b is infinite, q is already
+    the IEEE result (inf, nan, or 0 of the right sign); zero results keep q's sign."""
+    with jax.enable_x64(True):
+        a64, b64, q64 = a.astype(jnp.float64), b.astype(jnp.float64), q.astype(jnp.float64)
+        t = (q64 + (a64 - q64 * b64) / b64).astype(jnp.float32)
+    return jnp.where(jnp.isfinite(q) & jnp.isfinite(b), jnp.copysign(t, q), q)
 
 
 def mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:

@@ -311,7 +311,7 @@ def test_expert_parallel_moe_runs_the_fp4_kernel_and_equals_one_device(mesh, cas
     """kernels="pallas" (interpret): each device's local tiles go through the fp4 kernel, and the
     result is the single-device kernel run's (measured: bit-identical)."""
     r = _results()["moe"][f"{mesh} {case}"]
-    assert r["kernel_traces"] >= 3, r  # w1, w3, w2 of the local experts
+    assert r["kernel_traces"] >= 2, r  # w1 with w3 (one call), w2 of the local experts
     assert r["pattern"] == {"kernel_decode": "replicated", "kernel_prefill": "all_to_all"}[case], r
     assert r["routes_equal"], r
     assert r["y_equal"], r

@@ -6,6 +6,9 @@ Two entry points, one kernel:
     path, one (token, expert) pair per row);
   * `grouped_matmul(x [M, K], w, s, tiles)`: rows sorted by expert, cut into tiles of one expert
     each by `grouped_tiles` (the prefill path).
+Both take w and s as one matrix stack or as tuples of stacks of one shape (an expert's w1 and w3,
+which multiply the same rows), and then return a tuple; on the kernel path such a tuple runs as
+one launch (`BlockSizes.fuse`).
 `implementation`: "reference" (jnp: widen the selected experts to bf16, then dot; reference.py),
 "pallas" (kernel_gpu: read packed fp4 + scales, widen inside the kernel), "auto" (the kernel on a
 GPU, the reference on CPU; pallas_kernels/_dispatch.py). A shape the kernel does not handle falls
@@ -57,12 +60,26 @@ class BlockSizes:
     512-deep step would not fit shared memory) with 2 stages (64-row tiles at 4096 tokens: w1
     3539 against 3613 µs with 3 stages, w2 3343 against 3493; 128-row tiles 4368 against 5283; 4
     stages and 1 stage slower).
+    fuse: a tuple of weights (w1, w3) in one launch whose programs load x once per K step for
+      both weight tiles (else one launch per weight). None: fused at <= 16-row tiles (decode),
+      one launch each above (prefill).
+    mask_x: each program loads only its tile's valid rows of x (a gather tile holds one pair, so
+      15 of its 16 rows are other pairs' rows that are never stored; a 64-token decode's grouped
+      tiles hold 1-2 pairs).
+    Measured in the six-layer decode step on the H200 (benchmarks/README.md, tenth run, device
+    time a step, against the ninth run's unmasked, unfused kernels): w2 with masked x 133 against
+    147 µs at one token, 3847 against 4408 at 64 tokens; w1 and w3 fused with masked x 267
+    against 281 µs (two launches) at one token, 7560 against 7516 at 64 tokens. In one session,
+    unfused with masked x the whole step took 0.6% longer (2118 / 15833 against 2106 / 15731 µs
+    at batch 1 / 64); a 4096-token prefill took 120.7 ms fused and 115.6 ms unfused.
     """
     block_n: int | None = None
     block_k: int | None = None
     num_warps: int = 4
     num_stages: int | None = None
     decode: str | None = None
+    fuse: bool | None = None
+    mask_x: bool = True
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
         # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
@@ -72,10 +89,26 @@ class BlockSizes:
         block_k = self.block_k or fit_block(512 if rows <= 16 else 128, k, 128)
         num_stages = self.num_stages or (3 if rows <= 16 else 2)
         decode = self.decode or ("select" if interpret else "pairs")
-        return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode)
+        fuse = rows <= 16 if self.fuse is None else self.fuse
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
+                                   fuse=fuse)
+
+
+def _many(w, s) -> bool:
+    """Whether (w, s) are tuples of matrix stacks rather than one stack each."""
+    if isinstance(w, (tuple, list)) != isinstance(s, (tuple, list)) or (
+            isinstance(w, (tuple, list)) and (not w or len(w) != len(s))):
+        raise ValueError("w and s must both be arrays or both tuples of the same length")
+    return isinstance(w, (tuple, list))
 
 
 def _validate(x, w, s, what: str):
+    if _many(w, s):
+        for wi, si in zip(w, s):
+            _validate(x, wi, si, what)
+        if len({wi.shape for wi in w}) != 1:
+            raise ValueError(f"{what}: a tuple of weights must share one shape, got {[wi.shape for wi in w]}")
+        return
     if x.ndim != 2:
         raise ValueError(f"{what}: x must be [rows, K], got {x.shape=}")
     if w.ndim != 3 or w.dtype not in (jnp.int8, jnp.uint8):
@@ -88,30 +121,46 @@ def _validate(x, w, s, what: str):
 
 
 def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
-    """The kernel's output, or None when the reference must run (a shape the kernel refuses);
-    callers check `gpu_kernel` first."""
-    bs = (block_sizes or BlockSizes()).resolved(rows, w.shape[1], x.shape[1], interpret)
-    try:
+    """The kernel's output (a tuple for tuple weights), or None when the reference must run (a
+    shape the kernel refuses); callers check `gpu_kernel` first."""
+    many = _many(w, s)
+    w0 = w[0] if many else w
+    bs = (block_sizes or BlockSizes()).resolved(rows, w0.shape[1], x.shape[1], interpret)
+
+    def call(w, s):
         return kernel_gpu.expert_matmul(
             x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
             num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
-            decode=bs.decode)
+            decode=bs.decode, mask_x=bs.mask_x)
+
+    try:
+        if many and not bs.fuse:
+            return tuple(call(wi, si) for wi, si in zip(w, s))
+        return call(tuple(w), tuple(s)) if many else call(w, s)
     except NotImplementedError as e:
-        logger.warning("expert_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
+        logger.warning("expert_matmul: kernel does not handle x %s w %s (%s); using the reference",
+                       x.shape, w0.shape, e)
         return None
+
+
+def _each(fn, w, s, *args):
+    """fn(w, s, *args) per weight of a tuple (a tuple of results), or once."""
+    if _many(w, s):
+        return tuple(fn(wi, si, *args) for wi, si in zip(w, s))
+    return fn(w, s, *args)
 
 
 def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *,
                   implementation: Implementation = "auto", interpret: bool = False,
                   block_sizes: BlockSizes | None = None) -> jax.Array:
     """x bf16 [R, K] (act-quantised rows), w int8 [E, N, K/2], s e8m0 [E, N, K/32], expert int [R]
-    -> bf16 [R, N] = x[r] @ dequant(w[expert[r]])^T, fp32 accumulation."""
+    -> bf16 [R, N] = x[r] @ dequant(w[expert[r]])^T, fp32 accumulation (w, s tuples: a tuple)."""
     _validate(x, w, s, "gather_matmul")
     r = x.shape[0]
     if expert.shape != (r,):
         raise ValueError(f"gather_matmul: expert must be [R={r}], got {expert.shape=}")
     if r == 0 or not gpu_kernel(implementation, interpret, "expert_matmul"):
-        return _ref.gather_matmul(x, w, s, expert)
+        return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
 
     def local(x, expert):  # per data shard on a mesh (split_batch): pairs are token-major
         r = x.shape[0]
@@ -120,7 +169,9 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
         ar = jnp.arange(r, dtype=jnp.int32)
         out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
                               interpret, block_sizes)
-        return _ref.gather_matmul(x, w, s, expert) if out is None else out[:r]
+        if out is None:
+            return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
+        return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
 
     return split_batch(local, (x, expert), (True, True), "gather_matmul")
 
@@ -175,12 +226,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Ar
                    tile_valid: jax.Array, rows_per_tile: int, *, implementation: Implementation = "auto",
                    interpret: bool = False, block_sizes: BlockSizes | None = None) -> jax.Array:
     """x bf16 [M, K] sorted by expert with M >= max(tile_row0) + rows_per_tile (pad with zero
-    rows); tiles from `grouped_tiles` -> bf16 [M, N]: row i of tile t is x[i] @ dequant(w[e_t])^T.
-    Rows no live tile covers are 0 on the reference path and undefined on the kernel path."""
+    rows); tiles from `grouped_tiles` -> bf16 [M, N]: row i of tile t is x[i] @ dequant(w[e_t])^T
+    (w, s tuples: a tuple). Rows no live tile covers are 0 on the reference path and undefined on
+    the kernel path."""
     _validate(x, w, s, "grouped_matmul")
     out = None
     if gpu_kernel(implementation, interpret, "expert_matmul"):
         out = _kernel_or_none(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile, interpret, block_sizes)
     if out is None:
-        return _ref.grouped_matmul(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile)
+        return _each(lambda w, s: _ref.grouped_matmul(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile),
+                     w, s)
     return out

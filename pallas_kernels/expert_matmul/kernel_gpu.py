@@ -7,8 +7,10 @@ expert). The program reads its tile's expert id, first row and row count from th
 then walks K in blocks: loads the packed codes as int32 words [block_n, block_k/8] and the e8m0
 bytes [block_n, block_k/32] of that expert, decodes the 8 codes of each word to bf16 times the
 power-of-two scale (exact: <= 4 significant bits) and feeds the tensor cores, one dot per code
-position, with the matching x columns [rows, block_k/8]. fp32 accumulation, one bf16 rounding, a
-masked store of the tile's valid rows. A dead tile (0 rows) stores nothing.
+position, with the matching x columns [rows, block_k/8] (optionally loading only the tile's valid
+rows). fp32 accumulation, one bf16 rounding, a masked store of the tile's valid rows. A dead tile
+(0 rows) stores nothing. One launch can take G weights of one shape (an expert's w1 and w3): each
+program then keeps G accumulators and loads its x columns once per K step for all G.
 
 Decodes (`decode`), all exact:
   * "select": integer select of the fp32 bits per code, fp32 scale multiply, bf16 rounding;
@@ -112,11 +114,13 @@ def _e8m0_bf16(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
 
 
-def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: int, block_n: int,
-            block_k: int, n_kblocks: int, decode: str):
+def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
+            n_kblocks: int, decode: str, mask_x: bool):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
-    # `expert_matmul`); w_ref [E, N, K/8] int32 (8 codes a word); s_ref [E, N, K/32] uint8
-    # o_ref [M, N] bf16 (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n))
+    # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
+    # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16 (this program writes rows [row0, row0 +
+    # valid) x [n0, n0 + block_n) of each)
+    w_refs, s_refs, o_refs = refs[:g], refs[g:2 * g], refs[2 * g:]
     t = pl.program_id(0)
     n0 = pl.program_id(1) * block_n
     e = te_ref[t]
@@ -139,27 +143,45 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, w_ref, s_ref, o_ref, *, rows: in
         return [((_e2m1_subnormal_f32(words, j) if decode == "subnormal" else _e2m1_f32((words >> (4 * j)) & 0xF))
                  * sf).astype(jnp.bfloat16) for j in range(8)]
 
+    def x_cols(c0):
+        """x columns [c0, c0 + kw) of the tile's rows: [rows, kw] bf16; with `mask_x` rows past
+        `valid` are not read (zeros: they belong to other tiles and are never stored)."""
+        ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, kw)]
+        if not mask_x:
+            return ref[...]
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows, kw), 0)
+        return plgpu.load(ref, mask=r < valid, other=0.0)
+
     @pl.when(valid > 0)
     def _():
-        def body(jb, acc):
-            words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
-            sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
-            for j, wj in enumerate(codes(words, sb)):  # code j of every word: x columns j*kw + c
-                xj = x_ref[pl.ds(row0, rows), pl.ds(jb * block_k + j * kw, kw)]  # [rows, kw] bf16
-                acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
-            return acc
+        def body(jb, accs):
+            xs = [x_cols(jb * block_k + j * kw) for j in range(8)]  # code j of every word: x columns j*kw + c
+            new = []
+            for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
+                words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
+                sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
+                for xj, wj in zip(xs, codes(words, sb)):
+                    acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
+                new.append(acc)
+            return tuple(new)
 
-        acc = jax.lax.fori_loop(0, n_kblocks, body, jnp.zeros((rows, block_n), jnp.float32))
+        zero = jnp.zeros((rows, block_n), jnp.float32)
+        accs = jax.lax.fori_loop(0, n_kblocks, body, (zero,) * g)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
         cols = pl.ds(n0, block_n)
-        plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
+        for o_ref, acc in zip(o_refs, accs):
+            plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
 
 
-def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Array, tile_row0: jax.Array,
+def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
-                  num_stages: int, interpret: bool, decode: str = "select") -> jax.Array:
+                  num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
+
+    w and s may also be tuples of G such matrices (the same shape: an expert's w1 and w3): then
+    one launch computes all G products of the same rows, each program loading its x columns once
+    for the G weight tiles, and the result is a tuple of G outputs.
 
     The packed weight is read as int32 words [E, N, K/8]: element offsets then stay below 2^31
     for the released experts (384 x 2304 x 2560 bytes would not), and each word yields 8 codes
@@ -167,15 +189,22 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     permuted to match within each K block (a dot's result does not depend on the K order beyond
     fp32 summation order).
 
-    decode: "select", "subnormal" or "pairs" (module docstring).
+    decode: "select", "subnormal" or "pairs" (module docstring). mask_x: load only the tile's
+    valid rows of x (the others read as zeros; either way they are never stored).
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
+    many = isinstance(w, (tuple, list))
+    ws, ss = (tuple(w), tuple(s)) if many else ((w,), (s,))
+    if len(ws) != len(ss) or not ws or any(v.shape != ws[0].shape for v in ws):
+        raise ValueError(f"expert_matmul: weights {[v.shape for v in ws]} and scales {len(ss)} must pair up "
+                         "and share one shape")
     if decode not in ("select", "subnormal", "pairs"):
         raise ValueError(f"decode must be 'select', 'subnormal' or 'pairs', got {decode=}")
     if decode == "pairs" and interpret:
         raise NotImplementedError("the 'pairs' decode is inline PTX: no interpret mode")
+    g = len(ws)
     m, k = x.shape
-    n_exp, n, k2 = w.shape
+    n_exp, n, k2 = ws[0].shape
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
     if not is_pow2(rows) or rows < 16:
@@ -185,29 +214,30 @@ def expert_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Arr
     if not is_pow2(block_k) or block_k < 128 or k % block_k:
         raise NotImplementedError(f"block_k must be a power of 2 >= 128 dividing {k=}, got {block_k=}")
     if max(n_exp * n * (k // 8), m * max(k, n)) >= 2**31:
-        raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
-    smem = num_stages * (rows * block_k * 2 + block_n * block_k // 2 + block_n * block_k // 32)
+        raise NotImplementedError(f"operands too large for int32 element offsets ({ws[0].shape=}, {x.shape=})")
+    smem = num_stages * (rows * block_k * 2 + g * (block_n * block_k // 2 + block_n * block_k // 32))
     if smem > SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
-                                  f"({rows=}, {block_n=}, {block_k=}, {num_stages=})")
-    if s.dtype != jnp.uint8:
-        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
-    words = jax.lax.bitcast_convert_type(w.reshape(n_exp, n, k // 8, 4), jnp.int32)  # little-endian bytes
+                                  f"({g=}, {rows=}, {block_n=}, {block_k=}, {num_stages=})")
+    ss = tuple(v if v.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(v, jnp.uint8) for v in ss)
+    words = tuple(jax.lax.bitcast_convert_type(v.reshape(n_exp, n, k // 8, 4), jnp.int32)  # little-endian bytes
+                  for v in ws)
     kw = block_k // 8
     # within each K block, column 8c + j moves to j * kw + c (code j of word c)
     xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
     t = tile_expert.shape[0]
-    kernel = functools.partial(_kernel, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
-                               decode=decode)
+    kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
+                               decode=decode, mask_x=mask_x)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        out_shape=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(g)),
         grid=(t, n // block_n),
-        in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k)), whole((n_exp, n, k // 8)),
-                  whole((n_exp, n, k // 32))],
-        out_specs=whole((m, n)),
+        in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k))] + [whole((n_exp, n, k // 8))] * g
+        + [whole((n_exp, n, k // 32))] * g,
+        out_specs=tuple(whole((m, n)) for _ in range(g)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="expert_matmul_fp4",
-    )(tile_expert.astype(jnp.int32), tile_row0.astype(jnp.int32), tile_valid.astype(jnp.int32), xp, words, s)
+        name="expert_matmul_fp4" if g == 1 else f"expert_matmul_fp4_x{g}",
+    )(tile_expert.astype(jnp.int32), tile_row0.astype(jnp.int32), tile_valid.astype(jnp.int32), xp, *words, *ss)
+    return tuple(out) if many else out[0]
