@@ -119,8 +119,8 @@ def test_mean_divides_the_sum_once_as_torch_does_on_cpu():
 
 
 def test_exact_div_lowers_for_cuda_without_a_barrier_to_a_float64_correction():
-    """The GPU lowering: an f32 quotient, then the float64 residual correction; no optimization
-    barrier (it split every division site into kernels of its own) and no float64 division of
+    """The GPU lowering (chosen per lowering platform, so also from a CPU host): an f32 quotient,
+    then the float64 residual correction; no optimization barrier (it split every division site into kernels of its own) and no float64 division of
     two widened f32 operands (XLA:GPU narrows that one back to its approximate f32 division)."""
     import re
 
@@ -129,6 +129,10 @@ def test_exact_div_lowers_for_cuda_without_a_barrier_to_a_float64_correction():
     assert "optimization_barrier" not in text, text
     assert re.search(r"stablehlo.divide %\w+, %\w+ : tensor<4x64xf32>", text), text
     assert re.search(r"stablehlo.divide %\w+, %\w+ : tensor<4x64xf64>", text), text
+    # lowered for CPU: the float64 division of the divisor behind a barrier
+    cpu = jax.jit(exact_div).trace(a, b).lower(lowering_platforms=("cpu",)).as_text()
+    barrier = re.search(r"(%\w+) = stablehlo.optimization_barrier %\w+ : tensor<4x64xf64>", cpu)
+    assert barrier and re.search(rf"stablehlo.divide %\w+, {barrier.group(1)} : tensor<4x64xf64>", cpu), cpu
 
 
 def _ulp_steps(q: np.ndarray, k: int) -> np.ndarray:
