@@ -178,9 +178,28 @@ class TestKernelInterpret(GatherBase):
     interpret = True
 
 
-class TestKernelInterpretUnfusedUnmasked(TestKernelInterpret):
-    # one launch per weight, and every row of a tile's x read (the padding rows too)
-    block_sizes = api.BlockSizes(fuse=False, mask_x=False)
+def test_unfused_unmasked_kernel_gives_the_same_bits():
+    """Interpret mode: one launch per weight with every row of a tile's x read (the padding rows
+    too) gives the fused, masked default's outputs bit for bit, on the gather and grouped paths."""
+    n_exp, n, k, ids = GATHER_CASES["wide_n_odd_rows"]
+    rng = np.random.default_rng(21)
+    x, w1, s1, _, _ = make(rng, n_exp, n, k, len(ids))
+    _, w3, s3, _, _ = make(rng, n_exp, n, k, len(ids))
+    e = jnp.asarray(ids, jnp.int32)
+    plain = api.BlockSizes(fuse=False, mask_x=False)
+    for bs in (None, api.BlockSizes(fuse=True)):
+        got = _gather(x, (w1, w3), (s1, s3), e, implementation="pallas", interpret=True, block_sizes=bs)
+        want = _gather(x, (w1, w3), (s1, s3), e, implementation="pallas", interpret=True, block_sizes=plain)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16))
+    order, te, row0, valid = api.grouped_tiles(e, n_exp, 16)
+    xs = jnp.concatenate([x[order], jnp.zeros((16, k), jnp.bfloat16)])
+    r = len(ids)
+    got = _grouped(xs, (w1, w3), (s1, s3), te, row0, valid, 16, implementation="pallas", interpret=True)
+    want = _grouped(xs, (w1, w3), (s1, s3), te, row0, valid, 16, implementation="pallas", interpret=True,
+                    block_sizes=plain)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g[:r]).view(np.uint16), np.asarray(w[:r]).view(np.uint16))
 
 
 @needs_gpu

@@ -132,7 +132,8 @@ def test_exact_div_lowers_for_cuda_without_a_barrier_to_a_float64_correction():
     # lowered for CPU: the float64 division of the divisor behind a barrier
     cpu = jax.jit(exact_div).trace(a, b).lower(lowering_platforms=("cpu",)).as_text()
     barrier = re.search(r"(%\w+) = stablehlo.optimization_barrier %\w+ : tensor<4x64xf64>", cpu)
-    assert barrier and re.search(rf"stablehlo.divide %\w+, {barrier.group(1)} : tensor<4x64xf64>", cpu), cpu
+    assert barrier, cpu
+    assert re.search(rf"stablehlo.divide %\w+, {barrier.group(1)} : tensor<4x64xf64>", cpu), cpu
 
 
 def _ulp_steps(q: np.ndarray, k: int) -> np.ndarray:
