@@ -35,6 +35,7 @@ from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_rope, linear_kernels, rope_angles, rope_freqs
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels.sparse_attention.api import sparse_attn
+from pallas_kernels.topk.api import topk_positions
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -325,12 +326,13 @@ def causal_compress_lens(seqlen: int, ratio: int) -> jax.Array:
     return jnp.asarray((np.arange(1, seqlen + 1) // ratio)[:, None], jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "offset"))
-def select_topk(scores: jax.Array, compress_lens, k: int, offset: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("k", "offset", "implementation", "interpret"))
+def select_topk(scores: jax.Array, compress_lens, k: int, offset: int, implementation: str = "reference",
+                interpret: bool = False) -> jax.Array:
     """Top-k positions of scores [..., W] (ties -> lower index), sorted ascending; positions at or
-    beyond the query's compress_len become -1, the rest are shifted by `offset` -> int32 [..., k]."""
-    _, idx = jax.lax.top_k(scores, k)
-    idx = jnp.sort(idx, axis=-1)
+    beyond the query's compress_len become -1, the rest are shifted by `offset` -> int32 [..., k].
+    implementation: `pallas_kernels.topk` ("auto": its GPU kernel on a GPU, no sort)."""
+    idx = topk_positions(scores, k, implementation=implementation, interpret=interpret)
     return jnp.where(idx < compress_lens, idx + offset, -1).astype(jnp.int32)
 
 
@@ -350,6 +352,7 @@ class Indexer(nnx.Module):
         self.is_candidate_source = args.is_candidate_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
+        self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
         # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **linear_kernels(args))
@@ -471,7 +474,8 @@ class Indexer(nnx.Module):
                 raise ValueError(f"layer {self.layer_id} masks to the candidate blocks, but none were given")
             scores = jnp.where(candidates, scores, neg_inf)
         out["index_score"] = scores
-        out["topk"] = select_topk(scores, lens, min(self.index_topk, width), offset)
+        out["topk"] = select_topk(scores, lens, min(self.index_topk, width), offset, self.kernels,
+                                  self.kernels_interpret)
         return out
 
 

@@ -1,0 +1,63 @@
+"""Dispatch for the ascending top-k positions of score rows (the indexer's `select_topk`,
+SPEC §5.7).
+
+`implementation`: "reference" (jnp: `lax.top_k`, then a sort of the k columns), "pallas" (the
+GPU kernel: a threshold search, no sort), "auto" (the kernel on a GPU, the reference elsewhere).
+Both keep the columns of the k largest scores with ties to the lower column, in ascending column
+order; scores are ordered as IEEE total order (-0 below +0), as XLA:GPU's top_k orders them. A
+shape the kernel does not handle (non-bf16 scores, rows wider than `kernel_gpu.MAX_WIDTH`) falls
+back to the reference with a logged warning. On a mesh that splits `data` the kernel runs per
+batch shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Literal
+
+import jax
+
+from pallas_kernels._dispatch import gpu_kernel, split_batch
+from pallas_kernels.topk import kernel_gpu
+from pallas_kernels.topk import reference as _ref
+
+logger = logging.getLogger(__name__)
+
+Implementation = Literal["auto", "reference", "pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """num_warps: Triton warps per row program (None: one per 512 padded columns, 1 to 8)."""
+    num_warps: int | None = None
+
+
+def topk_positions(scores: jax.Array, k: int, *, implementation: Implementation = "auto",
+                   interpret: bool = False, block_sizes: BlockSizes | None = None) -> jax.Array:
+    """scores [..., W] (bf16 on the kernel path) -> int32 [..., k]: the columns of the k largest
+    scores (ties -> lower column), ascending."""
+    if scores.ndim < 1:
+        raise ValueError(f"scores must be [..., W], got {scores.shape=}")
+    width = scores.shape[-1]
+    if not isinstance(k, int) or not 1 <= k <= width:
+        raise ValueError(f"k must be an int in [1, {width}] for scores {scores.shape}, got {k=}")
+    if not gpu_kernel(implementation, interpret, "topk_positions"):
+        return _ref.topk_positions(scores, k)
+    lead = scores.shape[:-1]
+    bs = block_sizes or BlockSizes()
+
+    def local(s):  # per data shard on a mesh (split_batch)
+        rows = s.reshape(math.prod(s.shape[:-1]), width)
+        try:
+            out = kernel_gpu.topk_positions(rows, k, num_warps=bs.num_warps, interpret=interpret)
+        except NotImplementedError as e:
+            logger.warning("topk_positions: kernel does not handle scores %s (%s); using the reference",
+                           s.shape, e)
+            return _ref.topk_positions(s, k)
+        return out.reshape(*s.shape[:-1], k)
+
+    if math.prod(lead) == 0:
+        return _ref.topk_positions(scores, k)
+    return split_batch(local, (scores,), (True,), "topk_positions") if scores.ndim > 1 else local(scores)

@@ -1,0 +1,86 @@
+"""Pallas GPU (Triton lowering) kernel: the ascending top-k columns of bf16 score rows, by
+threshold search instead of a sort.
+
+One program per row holds the whole row in registers (W padded to a power of 2). Each score is
+mapped to a 16-bit key that orders like the scores in IEEE total order (-0 below +0, as XLA:GPU's
+own top_k orders them): the bf16 bits, magnitude bits flipped for negatives. A binary search over
+the 65536 key values (16 counting passes, each a compare and a sum over the row) finds T, the
+k-th largest key. The row keeps every column with a key > T and, of the columns with key == T,
+the first k - #(key > T) in column order (an inclusive cumsum of the ties): exactly the set that
+"score descending, column ascending" ranks first. A second cumsum gives each kept column its
+output slot, so the result is written already ascending. No sort, one launch per call.
+
+Padding lanes get a key below every real one, so they are never kept (k <= W).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._triton import is_pow2
+
+MAX_WIDTH = 16384  # columns one program holds in registers (64 a thread at 8 warps)
+_DEAD = -(1 << 16)  # below every 16-bit key
+_PASSES = 16  # binary search over keys -32768 .. 32767: the bracket [lo, hi) halves from 65536 to 1
+
+
+def score_keys(x: jax.Array) -> jax.Array:
+    """bf16 (or its f32 widening) -> int32 keys in [-32768, 32767] ordered as IEEE total order."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    mono = (bits & 0x7FFFFFFF) ^ jax.lax.shift_right_arithmetic(bits, jnp.int32(31))
+    return jax.lax.shift_right_arithmetic(mono, jnp.int32(16))
+
+
+def _kernel(s_ref, o_ref, *, width: int, padded: int, k: int):
+    # s_ref [R, width] bf16; o_ref [R, k] int32
+    row = pl.program_id(0)
+    col = jnp.arange(padded, dtype=jnp.int32)
+    live = col < width
+    x = plgpu.load(s_ref.at[row, col], mask=live, other=0.0)
+    key = jnp.where(live, score_keys(x), jnp.int32(_DEAD))
+
+    def count_at_least(t):
+        return jnp.sum((key >= t).astype(jnp.int32))
+
+    def step(_, bracket):  # invariant: count(key >= lo) >= k > count(key >= hi)
+        lo, hi = bracket
+        mid = jax.lax.shift_right_arithmetic(lo + hi, jnp.int32(1))
+        ok = count_at_least(mid) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _PASSES, step, (jnp.int32(-32768), jnp.int32(32768)))
+    above = key > lo
+    ties = (key == lo).astype(jnp.int32)
+    need = k - jnp.sum(above.astype(jnp.int32))
+    keep = above | ((ties == 1) & (jnp.cumsum(ties) <= need))
+    slot = jnp.cumsum(keep.astype(jnp.int32)) - 1
+    # dropped lanes aim past the row's k slots and are masked off: never onto a kept lane's slot
+    plgpu.store(o_ref.at[row, jnp.where(keep, slot, k + col)], col, mask=keep)
+
+
+def topk_positions(scores: jax.Array, k: int, *, num_warps: int | None, interpret: bool) -> jax.Array:
+    """scores bf16 [R, W] -> int32 [R, k] (see the module docstring).
+
+    Raises NotImplementedError for rows this kernel does not handle (the caller falls back)."""
+    r, width = scores.shape
+    if scores.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"bf16 scores only (16-bit keys), got {scores.dtype=}")
+    if not 1 <= k <= width:
+        raise NotImplementedError(f"k must be in [1, W={width}], got {k=}")
+    padded = max(32, 1 << (width - 1).bit_length())
+    if padded > MAX_WIDTH:
+        raise NotImplementedError(f"rows of {width} columns exceed the {MAX_WIDTH} one program holds")
+    if r == 0:
+        raise NotImplementedError("no rows")
+    warps = num_warps or min(8, max(1, padded // 512))
+    if not is_pow2(warps):
+        raise NotImplementedError(f"num_warps must be a power of 2, got {warps}")
+    kernel = functools.partial(_kernel, width=width, padded=padded, k=k)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), grid=(r,), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1), name="topk_positions")(scores)
