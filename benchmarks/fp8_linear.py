@@ -8,7 +8,8 @@ fresh weight per unrolled call (so the weight comes from HBM, as in a decode ste
 the bytes it must move (e4m3 weight + scales + activations in + bf16 out) as a fraction of the
 copy bandwidth measured in the same run, plus the fraction of outputs bit-identical to XLA's
 (the two differ only in fp32 summation order). "layer" rows add the seven projections of one
-decoder layer.
+decoder layer; "one launch" rows time the projections of one input that the model computes in
+one launch (`api.linear_many`) against a launch each.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ SHAPES = {
     "shared.w2": (2304, 5120),
 }
 COUNT = {"shared.w1 (= w3)": 2}  # w1 and w3 have the same shape
+# projections of one input that the model runs in one launch (`fp8_matmul.linear_many`)
+FUSED = {"attn.wq_a + attn.wkv": ("attn.wq_a", "attn.wkv"), "shared.w1 + w3": ("shared.w1 (= w3)",) * 2}
 
 
 def weights(k: int, n: int, seed: int):
@@ -95,6 +98,34 @@ def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: in
         out.append(Row("fp8 linear layer (8 projections)", f"M={m}", label, t * 1e6, t * 1e6, total_bytes,
                        total_bytes / t / copy_bw))
         print(_fmt(out[-1]), flush=True)
+    out += fused_rows(m, copy_bw, inner=inner, reps=reps)
+    return out
+
+
+def fused_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10) -> list[Row]:
+    """`FUSED` pairs in one launch (`api.linear_many`, default tiles) against one launch each."""
+    out = []
+    bs = api.BlockSizes(max_rows=1 << 30)
+    for name, members in FUSED.items():
+        k = SHAPES[members[0]][0]
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16) * 3
+        mats = [[weights(k, SHAPES[p][1], 100 * i + 7 + j) for j, p in enumerate(members)] for i in range(inner)]
+        nbytes = sum(linear_bytes(m, k, SHAPES[p][1]) for p in members)
+
+        def many(x, *wss):
+            return api.linear_many(x, wss[0::2], wss[1::2], implementation="pallas", block_sizes=bs)
+
+        def each(x, *wss):
+            return tuple(api.linear(x, w, s, implementation="pallas", block_sizes=bs)
+                         for w, s in zip(wss[0::2], wss[1::2]))
+
+        for label, fn in (("pallas, one launch", many), ("pallas, one launch each", each)):
+            sec, dev = _time(fn, lambda i, x=x, mats=mats: (x, *(a for ws in mats[i % inner] for a in ws)),
+                             inner=inner, reps=reps)
+            t = _best(sec, dev)
+            out.append(Row("fp8 linear " + name, f"M={m} K={k}", label, sec * 1e6, dev * 1e6, nbytes,
+                           nbytes / t / copy_bw))
+            print(_fmt(out[-1]), flush=True)
     return out
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 from dsv41_jax import quant
 from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, update_window, write_row, write_rows
 from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
-from dsv41_jax.layers import Linear, RMSNorm, apply_rope, linear_kernels, rope_angles, rope_freqs
+from dsv41_jax.layers import Linear, RMSNorm, apply_linears, apply_rope, linear_kernels, rope_angles, rope_freqs
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
@@ -552,18 +552,17 @@ class Attention(nnx.Module):
         pos = jnp.asarray(pos)
         return rope_angles(np.asarray(self.freqs, np.float32), pos[:, None] if pos.ndim == 1 else pos)
 
-    def query(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qr bf16 [b, s, q_lora_rank])."""
+    def query_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qr bf16 [b, s, q_lora_rank],
+        kv bf16 [b, s, hd]). qr = q_norm(wq_a(x)), q = wq_b(qr); kv = kv_norm(wkv(x)), RoPE, then
+        FP8 QDQ (32, UE8M0) over the whole vector, RoPE tail included. wq_a and wkv read the same
+        x: one fp8 kernel launch (`layers.apply_linears`)."""
         b, s, _ = x.shape
-        qr = self.q_norm(self.wq_a(x))
+        qa, kv = apply_linears(x, (self.wq_a, self.wkv))
+        qr = self.q_norm(qa)
         q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
-        return apply_rope(q, cos, sin, self.rope_dim), qr
-
-    def window_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """x bf16 [b, s, dim] -> kv bf16 [b, s, hd]: kv_norm(wkv(x)), RoPE, then FP8 QDQ (32, UE8M0)
-        over the whole vector, RoPE tail included."""
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, self.rope_dim)
-        return quant.act_quant_dequant(kv, QUANT_BLOCK)
+        kv = apply_rope(self.kv_norm(kv), cos, sin, self.rope_dim)
+        return apply_rope(q, cos, sin, self.rope_dim), qr, quant.act_quant_dequant(kv, QUANT_BLOCK)
 
     def compress_latent(self, latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Pre-RoPE latent bf16 [b, n, hd] -> cached compressed KV: RoPE at the group starts
@@ -631,8 +630,7 @@ class Attention(nnx.Module):
         for key in self.reads:
             _require(shared, key, self.layer_id)
         cos, sin = self.rope(jnp.arange(s))
-        q, qr = self.query(x, cos, sin)
-        kv = self.window_kv(x, cos, sin)
+        q, qr, kv = self.query_kv(x, cos, sin)
         lens = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         aux["window_kv"] = seed_window(kv, lens, self.window)
         idx = jnp.broadcast_to(window_topk_idxs(self.window, s, 0)[None], (b, s, min(s, self.window)))
@@ -710,8 +708,7 @@ class Attention(nnx.Module):
         lengths = jnp.asarray(lengths, jnp.int32)
         pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [b, c]
         cos, sin = self.rope_rows(pos)  # [b, c, rd/2]
-        q, qr = self.query(x, cos, sin)
-        kv = self.window_kv(x, cos, sin)
+        q, qr, kv = self.query_kv(x, cos, sin)
         ring = cache["window_kv"] if history else jnp.zeros((b, self.window, kv.shape[-1]), kv.dtype)
         cache["window_kv"] = aux["window_kv"] = update_window(ring, kv, start, start + lengths)
         keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1) if history else kv
@@ -775,8 +772,8 @@ class Attention(nnx.Module):
             _require(shared, key, self.layer_id)
         pos = jnp.asarray(pos, jnp.int32)
         cos, sin = self.rope_rows(pos)
-        q, qr = self.query(x, cos, sin)
-        cache["window_kv"] = ring = write_row(cache["window_kv"], pos % self.window, self.window_kv(x, cos, sin)[:, 0])
+        q, qr, kv = self.query_kv(x, cos, sin)
+        cache["window_kv"] = ring = write_row(cache["window_kv"], pos % self.window, kv[:, 0])
         kv = ring
         idx = jax.vmap(lambda p: window_topk_idxs(self.window, 1, p))(pos)  # [b, 1, window]
         if self.ratio:

@@ -92,6 +92,23 @@ def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightD
     return cast(y, out_dtype)
 
 
+def apply_linears(x: jax.Array, linears: tuple[Linear, ...]) -> tuple[jax.Array, ...]:
+    """tuple(lin(x) for lin in linears), with fp8 matrices of the same input in one kernel launch
+    where the fp8 kernel runs (`fp8_matmul.linear_many`: the rows quantised once, the weights
+    streamed together; its K splits are picked for the combined grid, so on that path a result
+    may differ from its own call only in the order of its fp32 sums). Other dtypes, the reference
+    path and stacked weights: one call each."""
+    lead = linears[0]
+    fused = len(linears) > 1 and lead.kernels != "reference" and all(
+        lin.dtype == "fp8" and lin.weight.ndim == 2 and lin.in_features == lead.in_features
+        and (lin.kernels, lin.kernels_interpret) == (lead.kernels, lead.kernels_interpret) for lin in linears)
+    if not fused:
+        return tuple(lin(x) for lin in linears)
+    return fp8_matmul.linear_many(x, tuple(lin.weight[...] for lin in linears),
+                                  tuple(lin.scale[...] for lin in linears), implementation=lead.kernels,
+                                  interpret=lead.kernels_interpret)
+
+
 class RMSNorm(nnx.Module):
     """y = w * x / sqrt(mean(x^2) + eps), in fp32, cast back to x.dtype. weight bf16 [dim]."""
 

@@ -32,10 +32,11 @@ from flax import nnx
 
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.layers import Linear, WeightDtype, apply_linear, linear_kernels
+from dsv41_jax.layers import Linear, WeightDtype, apply_linear, apply_linears, linear_kernels
 from dsv41_jax.numerics import cast, exact_div, in_float64
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
+from pallas_kernels.topk.api import router_topk
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -61,6 +62,7 @@ class Gate(nnx.Module):
         self.gate_temp = args.gate_temp
         self.norm_topk_prob = args.norm_topk_prob
         self.route_scale = args.route_scale
+        self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret  # the top-k's (pallas_kernels/topk)
         self.weight = nnx.Param(jnp.zeros((n_experts, args.dim), _BF16))
         self.bias = nnx.Param(jnp.zeros((n_experts,), _F32))
         self.bias_vl = nnx.Param(jnp.zeros((n_experts,), _F32)) if args.vision_enabled else None
@@ -83,8 +85,8 @@ class Gate(nnx.Module):
         if image_mask is not None and self.bias_vl is not None:
             bias = jnp.where(image_mask[:, None], self.bias_vl[...], bias)
         # the bias steers which experts are picked; the weights come from the unbiased scores
-        _, indices = jax.lax.top_k(scores + bias, self.topk)
-        weights = jnp.take_along_axis(scores, indices, axis=-1)
+        weights, indices = router_topk(scores, scores + bias, self.topk, implementation=self.kernels,
+                                       interpret=self.kernels_interpret)
         if self.norm_topk_prob and self.topk > 1:
             # added left to right so every backend forms the same fp32 sum
             total = weights[:, 0]
@@ -129,8 +131,10 @@ class Expert(nnx.Module):
         self.w3 = Linear(dim, inter_dim, dtype, **kern)
 
     def __call__(self, x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-        """x [..., dim] bf16, weights [..., 1] f32 or None -> bf16 [..., dim]."""
-        h = swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weights, out_dtype=x.dtype)
+        """x [..., dim] bf16, weights [..., 1] f32 or None -> bf16 [..., dim]. w1 and w3 read the
+        same x: one fp8 kernel launch (`layers.apply_linears`)."""
+        h1, h3 = apply_linears(x, (self.w1, self.w3))
+        h = swiglu(h1, h3, self.swiglu_limit, weights, out_dtype=x.dtype)
         return self.w2(h)
 
 

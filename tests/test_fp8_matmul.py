@@ -129,16 +129,55 @@ def test_bit_decode_of_every_e4m3_code():
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # bits, so -0 counts
 
 
-@pytest.mark.parametrize("decode", ["native", "bits"])
-@pytest.mark.parametrize("k_splits", [1, 4])
-def test_kernel_lowers_to_triton_for_cuda(decode, k_splits):
-    """The Pallas -> Triton lowering runs without a GPU (cross-platform lowering)."""
+@pytest.mark.parametrize(("decode", "k_splits", "n_w"), [("native", 1, 1), ("bits", 1, 1), ("native", 4, 1),
+                                                      ("bits", 4, 1), ("native", 4, 2)])
+def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w):
+    """The Pallas -> Triton lowering runs without a GPU (cross-platform lowering); n_w matrices
+    in one launch."""
     x, w, s, _, _ = make(np.random.default_rng(0), 8, 256, 2048)
-    f = lambda x, w, s: kernel_gpu.fp8_matmul(
-        x, w, s, block_m=16, block_n=64, block_k=256, k_splits=k_splits, num_warps=4, num_stages=3, decode=decode,
-        interpret=False)
+    f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
+        x, (w,) * n_w, (s,) * n_w, block_m=16, block_n=64, block_k=256, k_splits=k_splits, num_warps=4,
+        num_stages=3, decode=decode, interpret=False)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
+
+
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_several_matrices_in_one_launch_equal_one_launch_each_bit_for_bit(k_splits):
+    """fp8_matmul_many: every output column is computed as in its own matrix's launch with the
+    same tiles (interpret mode); the column blocks of the grid run through the matrices."""
+    rng = np.random.default_rng(11)
+    x, *_ = make(rng, 3, 32, 256)
+    mats = [make(rng, 1, n, 256)[1:3] for n in (64, 96, 32)]
+    tiles = {"block_m": 16, "block_n": 32, "block_k": 64, "k_splits": k_splits, "num_warps": 4, "num_stages": 3,
+             "decode": "native", "interpret": True}
+    outs = kernel_gpu.fp8_matmul_many(x, tuple(w for w, _ in mats), tuple(s for _, s in mats), **tiles)
+    assert len(outs) == 3
+    for (w, s), out in zip(mats, outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(kernel_gpu.fp8_matmul(x, w, s, **tiles)))
+        want_shape = (k_splits, 3, w.shape[0]) if k_splits > 1 else (3, w.shape[0])
+        assert out.shape == want_shape
+
+
+def test_linear_many_is_linear_per_matrix():
+    """The kernel path (interpret) with tiles fixed equals `linear` per matrix bit for bit; the
+    reference path is `quant.linear_fp8` per matrix; a fused N that only 32 divides picks 32-column
+    blocks."""
+    x, w1, s1 = _linear_inputs((2, 3), n=64, k=256, seed=12)
+    _, w2, s2 = _linear_inputs((1,), n=160, k=256, seed=13)
+    bs = api.BlockSizes(k_splits=2)
+    assert bs.resolved(6, (64, 160), 256).block_n == 32
+    got = api.linear_many(x, (w1, w2), (s1, s2), implementation="pallas", interpret=True, block_sizes=bs)
+    for (w, s), out in zip(((w1, s1), (w2, s2)), got, strict=True):
+        assert out.shape == (2, 3, w.shape[0]) and out.dtype == jnp.bfloat16
+        one = api.linear(x, w, s, implementation="pallas", interpret=True,
+                         block_sizes=api.BlockSizes(k_splits=2, block_n=32))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(one))
+    ref_outs = api.linear_many(x, (w1, w2), (s1, s2), implementation="reference")
+    for (w, s), out in zip(((w1, s1), (w2, s2)), ref_outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(quant.linear_fp8(x, w, s)))
+    with pytest.raises(ValueError, match="one scale per weight"):
+        api.linear_many(x, (w1, w2), (s1,), implementation="reference")
 
 
 def test_nan_weight_code_gives_nan_in_its_columns():
@@ -224,8 +263,9 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
     fp8 = [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear) and m.dtype == "fp8" and m.weight.ndim == 2]
     assert fp8 and all(m.kernels == "pallas" and m.kernels_interpret for m in fp8)
     calls = []
-    original = kernel_gpu.fp8_matmul
-    monkeypatch.setattr(kernel_gpu, "fp8_matmul", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    original = kernel_gpu.fp8_matmul_many
+    monkeypatch.setattr(kernel_gpu, "fp8_matmul_many",
+                        lambda x, ws, *a, **kw: calls.append((x.shape, len(ws))) or original(x, ws, *a, **kw))
     jax.clear_caches()
     cache = parity.teacher_forced_cache(parity.load_model(gs), gs)
 
@@ -235,6 +275,7 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
         return np.asarray(logits, np.float32)
 
     got = first_step(model)
-    assert calls and all(shape[0] <= api.BlockSizes().max_rows for shape in calls)
+    assert calls and all(shape[0] <= api.BlockSizes().max_rows for shape, _ in calls)
+    assert {n for _, n in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
     want = first_step(parity.load_model(gs))
     np.testing.assert_array_equal(got, want)

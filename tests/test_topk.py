@@ -149,3 +149,130 @@ def test_select_topk_masks_hidden_positions_and_adds_the_offset(implementation, 
     want = np.where(idx < np.asarray(lens), idx + 128, -1)
     np.testing.assert_array_equal(got, want)
     assert (got[0] == -1).sum() == 64 - np.sum(idx[0] < 40)
+
+
+# ---------------------------------------------------------------- the MoE gate's ranked top-k
+
+
+def total_order_key32(x: np.ndarray) -> np.ndarray:
+    """f32 values -> int64 keys in IEEE total order, from the bits (numpy only)."""
+    bits = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
+
+
+def router_oracle(scores: np.ndarray, biased: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank by (biased descending in total order, column ascending); weights = scores there."""
+    keys = total_order_key32(biased)
+    idx = np.stack([np.lexsort((np.arange(len(r)), -r))[:k] for r in keys]).astype(np.int32)
+    return np.take_along_axis(scores, idx, axis=-1), idx
+
+
+def router_inputs(rng, n: int, e: int, special: bool) -> tuple[np.ndarray, np.ndarray]:
+    """sqrt-softplus-like scores and biased scores with ties (every other row on a 1/4 grid);
+    `special` adds +-inf, a NaN of each sign and -0 next to +0 (IEEE total order ranks them)."""
+    scores = np.sqrt(np.log1p(np.exp(rng.standard_normal((n, e))))).astype(np.float32)
+    biased = scores + (rng.integers(-2, 3, e) * 0.25).astype(np.float32)
+    biased[::2] = np.round(biased[::2] * 4) / 4
+    if special and e >= 8:
+        biased[:, 1], biased[:, 2] = np.inf, -np.inf
+        biased[0, 3], biased[0, 4] = -0.0, 0.0
+        biased[-1, 5] = np.float32(np.nan)
+        biased[-1, 6] = -np.float32(np.nan)
+        biased[0, 7:] = 0.0  # a row of +0 ties after its -0
+    return scores, biased
+
+
+# name -> (rows, experts, k): the released gate (384 experts, top-6), the tiny sets' 8 experts,
+# a width that is no power of 2, k = E
+ROUTER_CASES = {"released": (3, 384, 6), "one_token": (1, 384, 6), "tiny": (4, 8, 3), "odd_width": (5, 100, 8),
+                "k_is_width": (2, 7, 7)}
+
+
+class RouterBase:
+    implementation, interpret, special = "reference", False, False
+
+    @pytest.mark.parametrize("case", list(ROUTER_CASES))
+    def test_router_matches_oracle(self, case):
+        n, e, k = ROUTER_CASES[case]
+        scores, biased = router_inputs(np.random.default_rng(n * e), n, e, self.special)
+        w, idx = api.router_topk(jnp.asarray(scores), jnp.asarray(biased), k, implementation=self.implementation,
+                                 interpret=self.interpret)
+        assert w.dtype == jnp.float32 and idx.dtype == jnp.int32 and idx.shape == w.shape == (n, k)
+        want_w, want_idx = router_oracle(scores, biased, k)
+        np.testing.assert_array_equal(np.asarray(idx), want_idx)
+        np.testing.assert_array_equal(np.asarray(w).view(np.uint32), want_w.view(np.uint32))
+
+
+class TestRouterReference(RouterBase):  # lax.top_k on CPU need not rank -0 / NaN in total order
+    pass
+
+
+class TestRouterKernelInterpret(RouterBase):
+    implementation, interpret, special = "pallas", True, True
+
+
+@pytest.mark.gpu
+@needs_gpu
+class TestRouterKernelGPU(RouterBase):
+    implementation, special = "pallas", True
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_router_kernel_equals_xla_top_k_on_gpu():
+    scores, biased = (jnp.asarray(a) for a in router_inputs(np.random.default_rng(8), 64, 384, False))
+    want = jax.jit(lambda s, b: api.router_topk(s, b, 6, implementation="reference"))(scores, biased)
+    got = jax.jit(lambda s, b: api.router_topk(s, b, 6, implementation="pallas"))(scores, biased)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_score_keys32_order_like_total_order():
+    rng = np.random.default_rng(9)
+    bits = np.concatenate([rng.integers(-(1 << 31), 1 << 31, 4096), [0, -(1 << 31), 0x7F800000, -8388608, 0x7FC00000,
+                                                                     -1, 0x7FFFFFFF, 1]]).astype(np.int32)
+    vals = bits.view(np.float32)
+    keys = np.asarray(kernel_gpu.score_keys32(jnp.asarray(vals)))
+    np.testing.assert_array_equal(keys.astype(np.int64), total_order_key32(vals))
+
+
+def test_router_kernel_lowers_to_triton_for_cuda():
+    s = jnp.zeros((4, 384), jnp.float32)
+    f = lambda s: kernel_gpu.router_topk(s, s, 6, num_warps=None, interpret=False)
+    assert "router_topk" in jax.jit(f).trace(s).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_router_bf16_scores_fall_back_and_bad_arguments_are_rejected(caplog):
+    scores, biased = router_inputs(np.random.default_rng(10), 2, 16, False)
+    s16, b16 = jnp.asarray(scores, jnp.bfloat16), jnp.asarray(biased, jnp.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels.topk.api"):
+        w, idx = api.router_topk(s16, b16, 4, implementation="pallas", interpret=True)
+    assert "f32 scores only" in caplog.text
+    want_w, want_idx = router_oracle(np.asarray(s16, np.float32), np.asarray(b16, np.float32), 4)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_array_equal(np.asarray(w, np.float32), want_w)
+    with pytest.raises(ValueError, match="k must be an int in"):
+        api.router_topk(jnp.asarray(scores), jnp.asarray(biased), 17)
+    with pytest.raises(ValueError, match="the same"):
+        api.router_topk(jnp.asarray(scores), jnp.asarray(biased[:, :8]), 2)
+
+
+def test_gate_on_the_kernel_path_routes_as_the_reference_path():
+    """moe.Gate with kernels="pallas" (interpret) gives the reference path's weights and indices
+    bit for bit (the released router's 384 experts, top-6, normalised, x1.5)."""
+    from dsv41_jax.config import ModelArgs
+    from dsv41_jax.moe import Gate
+
+    args = ModelArgs(dim=64, n_routed_experts=384, n_activated_experts=6, score_func="sqrtsoftplus", route_scale=1.5)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
+    weight = jnp.asarray(rng.standard_normal((384, 64)) * 0.1, jnp.bfloat16)
+    bias = jnp.asarray(rng.integers(-2, 3, 384) * 0.05, jnp.float32)
+    out = {}
+    for kernels, interp in (("reference", False), ("pallas", True)):
+        gate = Gate(0, args.replace(kernels=kernels, kernels_interpret=interp))
+        gate.weight[...], gate.bias[...] = weight, bias
+        out[kernels] = [np.asarray(a) for a in gate(x)]
+    assert out["reference"][1].shape == (5, 6)
+    for got, want in zip(out["pallas"], out["reference"], strict=True):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

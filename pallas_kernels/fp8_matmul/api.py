@@ -2,7 +2,8 @@
 and e8m0 scales per 32 x 32 block).
 
 `fp8_matmul(x [M, K], w, s)` multiplies act-quantised bf16 rows by the block-scaled matrix;
-`linear(x [..., K], w, s)` is the whole `linear()` (activation quantiser, then the matmul).
+`linear(x [..., K], w, s)` is the whole `linear()` (activation quantiser, then the matmul);
+`linear_many(x, ws, ss)` is `linear` for several matrices of one input, in one kernel launch.
 `implementation`: "reference" (jnp: widen the weight to bf16, then dot; reference.py), "pallas"
 (kernel_gpu: read e4m3 + scales, widen inside the kernel), "auto" (the kernel on a GPU, the
 reference on CPU; pallas_kernels/_dispatch.py). The kernel serves few rows (decode), where the
@@ -58,13 +59,16 @@ class BlockSizes:
     max_rows: int = 64
     target_programs: int = 264  # two per SM of an H100/H200
 
-    def resolved(self, m: int, n: int, k: int) -> BlockSizes:
+    def resolved(self, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes:
+        """Tiles for m rows times [n, k] (n a tuple: several matrices in one launch, block_n
+        dividing each)."""
+        ns = (n,) if isinstance(n, int) else tuple(n)
         block_m = self.block_m or min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
-        block_n = self.block_n or fit_block(64, n, kernel_gpu.QBLOCK)
+        block_n = self.block_n or fit_block(64, math.gcd(*ns), kernel_gpu.QBLOCK)
         block_k = self.block_k or fit_block(256 if block_m <= 64 else 128, k, kernel_gpu.QBLOCK)
         k_splits = self.k_splits
         if k_splits is None:
-            programs = -(-m // block_m) * max(n // block_n, 1)
+            programs = -(-m // block_m) * max(sum(n_t // block_n for n_t in ns), 1)
             k_blocks = max(k // block_k, 1)
             divisors = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0]
             k_splits = next((d for d in divisors if programs * d >= self.target_programs), divisors[-1])
@@ -84,19 +88,21 @@ def _validate(x, w, s):
         raise ValueError(f"fp8_matmul: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, w, s, interpret, block_sizes):
-    """The kernel's output, or None when the reference must run (a shape the kernel refuses);
-    callers check `gpu_kernel` first."""
+def _kernel_or_none(x, ws, ss, interpret, block_sizes):
+    """The kernel's outputs (a tuple, one per weight), or None when the reference must run (a
+    shape the kernel refuses); callers check `gpu_kernel` first."""
     m, k = x.shape
-    bs = (block_sizes or BlockSizes()).resolved(m, w.shape[0], k)
+    bs = (block_sizes or BlockSizes()).resolved(m, tuple(w.shape[0] for w in ws), k)
     try:
-        out = kernel_gpu.fp8_matmul(x.astype(jnp.bfloat16), w, s, block_m=bs.block_m, block_n=bs.block_n,
-                                    block_k=bs.block_k, k_splits=bs.k_splits, num_warps=bs.num_warps,
-                                    num_stages=bs.num_stages, decode=bs.decode, interpret=interpret)
+        outs = kernel_gpu.fp8_matmul_many(x.astype(jnp.bfloat16), tuple(ws), tuple(ss), block_m=bs.block_m,
+                                          block_n=bs.block_n, block_k=bs.block_k, k_splits=bs.k_splits,
+                                          num_warps=bs.num_warps, num_stages=bs.num_stages, decode=bs.decode,
+                                          interpret=interpret)
     except NotImplementedError as e:
-        logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape, w.shape, e)
+        logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
+                       [w.shape for w in ws], e)
         return None
-    return to_bf16(jnp.sum(out, axis=0)) if bs.k_splits > 1 else out
+    return tuple(to_bf16(jnp.sum(o, axis=0)) for o in outs) if bs.k_splits > 1 else outs
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
@@ -106,9 +112,9 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Impl
     s e8m0 [ceil(N/32), ceil(K/32)] -> bf16 [M, N] = x @ dequant(w)^T, fp32 accumulation, one
     bf16 rounding."""
     _validate(x, w, s)
-    out = _kernel_or_none(x, w, s, interpret, block_sizes) if gpu_kernel(implementation, interpret, "fp8_matmul") \
-        else None
-    return _ref.fp8_matmul(x, w, s) if out is None else out
+    out = _kernel_or_none(x, (w,), (s,), interpret, block_sizes) \
+        if gpu_kernel(implementation, interpret, "fp8_matmul") else None
+    return _ref.fp8_matmul(x, w, s) if out is None else out[0]
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
@@ -120,19 +126,41 @@ def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implemen
     `max_rows` rows, else (or on the reference path) `quant.linear_fp8` (XLA). On a mesh that
     splits `data` the leading dim is split (`_dispatch.split_batch`) and `max_rows` applies to
     each shard's rows."""
-    bs = block_sizes or BlockSizes()
-    if x.size == 0 or not gpu_kernel(implementation, interpret, "fp8_matmul"):
-        return quant.linear_fp8(x, w, s)
+    return linear_many(x, (w,), (s,), implementation=implementation, interpret=interpret,
+                       block_sizes=block_sizes)[0]
 
-    def local(x, w, s):  # per data shard on a mesh (split_batch): the row count is the shard's
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
+def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *,
+                implementation: Implementation = "auto", interpret: bool = False,
+                block_sizes: BlockSizes | None = None) -> tuple[jax.Array, ...]:
+    """`linear(x, w, s)` for each (w, s) of ws / ss (all [N_t, K] for x's K) -> a tuple of bf16
+    [..., N_t]. On the kernel path the rows are quantised once and every matrix streams in one
+    launch (`kernel_gpu.fp8_matmul_many`); the tiles (K splits included) are picked for the
+    combined grid, so a result may differ from its own `linear` call only in the order of its
+    fp32 sums."""
+    bs = block_sizes or BlockSizes()
+    ws, ss = tuple(ws), tuple(ss)
+    if len(ws) != len(ss) or not ws:
+        raise ValueError(f"linear_many: one scale per weight, got {len(ws)} weights and {len(ss)} scales")
+    if x.size == 0 or not gpu_kernel(implementation, interpret, "fp8_matmul"):
+        return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
+    n_w = len(ws)
+
+    def local(x, *wss):  # per data shard on a mesh (split_batch): the row count is the shard's
+        ws, ss = wss[:n_w], wss[n_w:]
         rows = math.prod(x.shape[:-1])
         if rows > bs.max_rows:
-            return quant.linear_fp8(x, w, s)
+            return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
         xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
-        _validate(xq, w, s)
-        out = _kernel_or_none(xq, w, s, interpret, bs)
-        if out is None:
-            return quant.linear_fp8(x, w, s)
-        return out.reshape(*x.shape[:-1], w.shape[0])
+        for w, s in zip(ws, ss):
+            _validate(xq, w, s)
+        outs = _kernel_or_none(xq, ws, ss, interpret, bs)
+        if outs is None:
+            return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
+        return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))
 
-    return split_batch(local, (x, w, s), (True, False, False), "fp8 linear") if x.ndim > 1 else local(x, w, s)
+    args = (x, *ws, *ss)
+    if x.ndim > 1:
+        return split_batch(local, args, (True,) + (False,) * (2 * n_w), "fp8 linear")
+    return local(*args)

@@ -48,83 +48,112 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
     return jnp.where((code & 0x80) != 0, -v, v)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_m: int, block_n: int, block_k: int, k_steps: int,
-            decode: str, split: bool):
-    # x_ref [M, K] bf16; w_ref [N, K] e4m3 ("native") or int8
-    # ("bits"); s_ref [N/32, K/32] uint8; o_ref [M, N] bf16, or [splits, M, N] fp32 when split
+def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
+            split: bool, col_blocks: tuple[int, ...]):
+    # x_ref [M, K] bf16; then per weight t: w_ref [N_t, K] e4m3 ("native") or int8 ("bits"), then
+    # s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16 or [splits, M, N_t] fp32 when split.
+    # Column block j of the grid belongs to the weight whose range of col_blocks holds it.
+    n_w = len(col_blocks)
+    w_refs, s_refs, o_refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     i, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    m0, n0 = i * block_m, j * block_n
+    m0 = i * block_m
     sn, sk = block_n // QBLOCK, block_k // QBLOCK
     rows = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_k), 0)
     dims = (((1,), (1,)), ((), ()))
 
-    def body(step, acc):
-        kb = ks * k_steps + step
-        xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(kb * block_k, block_k)], mask=rows < m, other=0.0)
-        wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
-        sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
-        sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
-        wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
-        wv = (wf * sf).astype(jnp.bfloat16)  # exact
-        return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
+    def one_block(w_ref, s_ref, o_ref, n0):
+        def body(step, acc):
+            kb = ks * k_steps + step
+            xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(kb * block_k, block_k)], mask=rows < m, other=0.0)
+            wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
+            sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
+            sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
+            wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
+            wv = (wf * sf).astype(jnp.bfloat16)  # exact
+            return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
-    out_rows = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
-    cols = pl.ds(n0, block_n)
-    if split:
-        plgpu.store(o_ref.at[ks, pl.ds(m0, block_m), cols], acc, mask=out_rows < m)
-    else:
-        plgpu.store(o_ref.at[pl.ds(m0, block_m), cols], acc.astype(o_ref.dtype), mask=out_rows < m)
+        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+        out_rows = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
+        cols = pl.ds(n0, block_n)
+        if split:
+            plgpu.store(o_ref.at[ks, pl.ds(m0, block_m), cols], acc, mask=out_rows < m)
+        else:
+            plgpu.store(o_ref.at[pl.ds(m0, block_m), cols], acc.astype(o_ref.dtype), mask=out_rows < m)
+
+    if n_w == 1:
+        one_block(w_refs[0], s_refs[0], o_refs[0], j * block_n)
+        return
+    first = 0
+    for t, blocks in enumerate(col_blocks):
+        @pl.when((j >= first) & (j < first + blocks))
+        def _(t=t, first=first):
+            one_block(w_refs[t], s_refs[t], o_refs[t], (j - first) * block_n)
+        first += blocks
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, block_m: int, block_n: int, block_k: int,
-               k_splits: int, num_warps: int, num_stages: int, decode: str, interpret: bool) -> jax.Array:
+def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, **tiles) -> jax.Array:
     """x bf16 [M, K] (act-quantised rows); w e4m3 [N, K]; s e8m0 (or uint8) [N/32, K/32]
     -> bf16 [M, N] when k_splits == 1, else fp32 partial sums [k_splits, M, N] (the caller adds
-    them in split order).
+    them in split order). `tiles`: as `fp8_matmul_many`.
+
+    Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
+    return fp8_matmul_many(x, (w,), (s,), **tiles)[0]
+
+
+def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
+                    block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
+                    interpret: bool) -> tuple[jax.Array, ...]:
+    """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
+    ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
+    it. The grid's column blocks run through the matrices in order; every output column is
+    computed by the same program code, K steps and split as a launch of its matrix alone with
+    these tiles (bit-identical results), and the weights stream in one launch instead of several.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     m, k = x.shape
-    n = w.shape[0]
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
-    if w.dtype != jnp.float8_e4m3fn:
-        raise NotImplementedError(f"e4m3 weights only, got {w.dtype=}")
+    if not ws or len(ws) != len(ss):
+        raise NotImplementedError(f"one scale per weight, got {len(ws)} weights and {len(ss)} scales")
     if decode not in ("native", "bits"):
         raise NotImplementedError(f"decode must be 'native' or 'bits', got {decode=}")
     if not is_pow2(block_m) or block_m < 16:
         raise NotImplementedError(f"block_m must be a power of 2 >= 16 for tensor-core tiles, got {block_m=}")
-    if not is_pow2(block_n) or block_n < QBLOCK or n % block_n:
-        raise NotImplementedError(f"block_n must be a power of 2 >= {QBLOCK} dividing {n=}, got {block_n=}")
     if not is_pow2(block_k) or block_k < QBLOCK or k % block_k:
         raise NotImplementedError(f"block_k must be a power of 2 >= {QBLOCK} dividing {k=}, got {block_k=}")
     if k_splits < 1 or (k // block_k) % k_splits:
         raise NotImplementedError(f"k_splits={k_splits} must divide the {k // block_k} K blocks")
-    if s.shape != (n // QBLOCK, k // QBLOCK):
-        raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
-    if max(n * k, m * max(k, n) * k_splits) >= 2**31:
-        raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
+    for w, s in zip(ws, ss):
+        n = w.shape[0]
+        if w.dtype != jnp.float8_e4m3fn or w.ndim != 2 or w.shape[1] != k:
+            raise NotImplementedError(f"e4m3 weights [N, {k}] only, got {w.shape=} {w.dtype=}")
+        if not is_pow2(block_n) or block_n < QBLOCK or n % block_n:
+            raise NotImplementedError(f"block_n must be a power of 2 >= {QBLOCK} dividing {n=}, got {block_n=}")
+        if s.shape != (n // QBLOCK, k // QBLOCK):
+            raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
+        if max(n * k, m * max(k, n) * k_splits) >= 2**31:
+            raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
     smem = num_stages * (block_m * block_k * 2 + block_n * block_k + (block_n // QBLOCK) * (block_k // QBLOCK))
     if smem > SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({block_m=}, {block_n=}, {block_k=}, {num_stages=})")
-    if s.dtype != jnp.uint8:
-        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    ss = tuple(s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8) for s in ss)
     if decode == "bits":
-        w = jax.lax.bitcast_convert_type(w, jnp.int8)
+        ws = tuple(jax.lax.bitcast_convert_type(w, jnp.int8) for w in ws)
     split = k_splits > 1
+    col_blocks = tuple(w.shape[0] // block_n for w in ws)
     kernel = functools.partial(_kernel, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
-                               k_steps=k // block_k // k_splits, decode=decode, split=split)
-    out_shape = (jax.ShapeDtypeStruct((k_splits, m, n), jnp.float32) if split
-                 else jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
+                               k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks)
+    out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
+                      else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
-    return pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pl.cdiv(m, block_m), n // block_n, k_splits),
-        in_specs=[whole((m, k)), whole((n, k)), whole((n // QBLOCK, k // QBLOCK))],
-        out_specs=whole(out_shape.shape),
+        grid=(pl.cdiv(m, block_m), sum(col_blocks), k_splits),
+        in_specs=[whole((m, k))] + [whole(w.shape) for w in ws] + [whole(s.shape) for s in ss],
+        out_specs=[whole(o.shape) for o in out_shape],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_matmul",
-    )(x, w, s)
+    )(x, *ws, *ss))

@@ -1,6 +1,7 @@
-"""Ascending top-k positions of bf16 score rows (the indexer's selection, SPEC §5.7): reference,
-GPU kernel, one dispatch."""
+"""Top-k selections without sorts: the ascending top-k positions of bf16 score rows (the
+indexer's selection, SPEC §5.7) and the MoE gate's ranked top-k of f32 expert scores (SPEC §6.1):
+reference, GPU kernel, one dispatch each."""
 
-from pallas_kernels.topk.api import BlockSizes, topk_positions
+from pallas_kernels.topk.api import BlockSizes, router_topk, topk_positions
 
-__all__ = ["BlockSizes", "topk_positions"]
+__all__ = ["BlockSizes", "router_topk", "topk_positions"]

@@ -8,6 +8,10 @@ order; scores are ordered as IEEE total order (-0 below +0), as XLA:GPU's top_k 
 shape the kernel does not handle (non-bf16 scores, rows wider than `kernel_gpu.MAX_WIDTH`) falls
 back to the reference with a logged warning. On a mesh that splits `data` the kernel runs per
 batch shard.
+
+`router_topk` is the MoE gate's selection: the k largest biased scores in rank order with the
+unbiased scores there (`lax.top_k` + a gather on the reference path; one launch, no sort, on the
+kernel path), f32 keys in the same total order.
 """
 
 from __future__ import annotations
@@ -61,3 +65,27 @@ def topk_positions(scores: jax.Array, k: int, *, implementation: Implementation 
     if math.prod(lead) == 0:
         return _ref.topk_positions(scores, k)
     return split_batch(local, (scores,), (True,), "topk_positions") if scores.ndim > 1 else local(scores)
+
+
+def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, implementation: Implementation = "auto",
+                interpret: bool = False, block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+    """scores, biased [N, E] (f32 on the kernel path) -> (weights [N, k] = scores at the picks,
+    indices int32 [N, k]): the columns of the k largest `biased` in top-k order (descending,
+    ties -> lower column)."""
+    if biased.ndim != 2 or scores.shape != biased.shape:
+        raise ValueError(f"scores and biased must be the same [N, E], got {scores.shape=} {biased.shape=}")
+    width = biased.shape[-1]
+    if not isinstance(k, int) or not 1 <= k <= width:
+        raise ValueError(f"k must be an int in [1, {width}] for scores {biased.shape}, got {k=}")
+    if biased.shape[0] == 0 or not gpu_kernel(implementation, interpret, "router_topk"):
+        return _ref.router_topk(scores, biased, k)
+    bs = block_sizes or BlockSizes()
+
+    def local(s, b):  # per data shard on a mesh (split_batch)
+        try:
+            return kernel_gpu.router_topk(s, b, k, num_warps=bs.num_warps, interpret=interpret)
+        except NotImplementedError as e:
+            logger.warning("router_topk: kernel does not handle scores %s (%s); using the reference", b.shape, e)
+            return _ref.router_topk(s, b, k)
+
+    return split_batch(local, (scores, biased), (True, True), "router_topk")

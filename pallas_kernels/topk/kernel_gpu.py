@@ -11,6 +11,10 @@ the first k - #(key > T) in column order (an inclusive cumsum of the ties): exac
 output slot, so the result is written already ascending. No sort, one launch per call.
 
 Padding lanes get a key below every real one, so they are never kept (k <= W).
+
+`router_topk` is the MoE gate's selection (a few of a few hundred experts, in rank order): one
+program per row takes the largest 32-bit total-order key k times (ties -> lower column), masking
+each pick out, and reads the pick's unbiased score by its bits. No sort either.
 """
 
 from __future__ import annotations
@@ -84,3 +88,64 @@ def topk_positions(scores: jax.Array, k: int, *, num_warps: int | None, interpre
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), grid=(r,), interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1), name="topk_positions")(scores)
+
+
+ROUTER_MAX_WIDTH = 4096  # experts one program holds in registers
+_INT_MIN = -(1 << 31)
+
+
+def score_keys32(x: jax.Array) -> jax.Array:
+    """f32 -> int32 keys ordered as IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +NaN)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return (bits & 0x7FFFFFFF) ^ jax.lax.shift_right_arithmetic(bits, jnp.int32(31))
+
+
+def _router_kernel(s_ref, b_ref, w_ref, i_ref, *, width: int, padded: int, k: int, k_pad: int):
+    # s_ref, b_ref [R, width] f32 (scores, biased scores); w_ref [R, k] f32, i_ref [R, k] int32
+    row = pl.program_id(0)
+    col = jnp.arange(padded, dtype=jnp.int32)
+    live = col < width
+    key = jnp.where(live, score_keys32(plgpu.load(b_ref.at[row, col], mask=live, other=0.0)), jnp.int32(_INT_MIN))
+    bits = jax.lax.bitcast_convert_type(plgpu.load(s_ref.at[row, col], mask=live, other=0.0), jnp.int32)
+    slot = jnp.arange(k_pad, dtype=jnp.int32)
+    picks = jnp.zeros((k_pad,), jnp.int32)
+    picked_bits = jnp.zeros((k_pad,), jnp.int32)
+    for t in range(k):  # k is small (the gate's top-k): unrolled
+        top = jnp.max(jnp.where(live, key, jnp.int32(_INT_MIN)))
+        pick = jnp.min(jnp.where(live & (key == top), col, jnp.int32(padded)))
+        chosen = col == pick
+        picks = jnp.where(slot == t, pick, picks)
+        picked_bits = jnp.where(slot == t, jnp.sum(jnp.where(chosen, bits, 0)), picked_bits)  # one term: exact
+        live = live & ~chosen
+    out = slot < k
+    plgpu.store(i_ref.at[row, slot], picks, mask=out)
+    plgpu.store(w_ref.at[row, slot], jax.lax.bitcast_convert_type(picked_bits, jnp.float32), mask=out)
+
+
+def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, num_warps: int | None,
+                interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """scores, biased f32 [R, E] -> (weights f32 [R, k], indices int32 [R, k]): the columns of the
+    k largest `biased` in rank order (descending, IEEE total order, ties -> lower column) and
+    `scores` at them, bit for bit.
+
+    Raises NotImplementedError for rows this kernel does not handle (the caller falls back)."""
+    r, width = biased.shape
+    if scores.dtype != jnp.float32 or biased.dtype != jnp.float32:
+        raise NotImplementedError(f"f32 scores only, got {scores.dtype=} {biased.dtype=}")
+    if scores.shape != biased.shape:
+        raise NotImplementedError(f"scores {scores.shape} and biased scores {biased.shape} differ")
+    if not 1 <= k <= min(width, 64):
+        raise NotImplementedError(f"k must be in [1, min(E={width}, 64)], got {k=}")
+    padded = max(32, 1 << (width - 1).bit_length())
+    if padded > ROUTER_MAX_WIDTH:
+        raise NotImplementedError(f"rows of {width} columns exceed the {ROUTER_MAX_WIDTH} one program holds")
+    if r == 0:
+        raise NotImplementedError("no rows")
+    warps = num_warps or min(4, max(1, padded // 256))
+    if not is_pow2(warps):
+        raise NotImplementedError(f"num_warps must be a power of 2, got {warps}")
+    kernel = functools.partial(_router_kernel, width=width, padded=padded, k=k, k_pad=max(2, 1 << (k - 1).bit_length()))
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)),
+        grid=(r,), interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        name="router_topk")(scores, biased)
