@@ -4,11 +4,13 @@ plus any directories listed in DSV41_EXTRA_GOLDEN (os.pathsep-separated, same la
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import ClassVar
 
+import jax
 import pytest
 
 from dsv41_jax.parity import GoldenSet
@@ -61,6 +63,26 @@ class Child:
         return self.proc.returncode, self._out.read(), self._err.read()
 
 
+_SESSION_CACHE: list[str] = []  # the compilation cache directory this session made (removed at its end)
+
+
+def pytest_configure(config):
+    """One XLA compilation cache per test session, unless JAX_COMPILATION_CACHE_DIR names one: a
+    test that builds a program another test already compiled (a fresh Generator or jit wrapper
+    over the same model and shapes) reads the executable back instead of compiling it again, and
+    the subprocesses (which inherit the environment) share it. Executables are keyed by their
+    whole HLO, compile options and devices, so a hit is the same program."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = tempfile.mkdtemp(prefix="dsv41-jax-compile-cache-")
+    _SESSION_CACHE.append(path)
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def pytest_collection_finish(session):
     """Tests marked `fake_devices` read one subprocess per module (`start_child()`, cached, with
     8 fake CPU devices); it starts as soon as collection has selected one of them, so it runs
@@ -76,3 +98,5 @@ def pytest_sessionfinish(session):
     for child in Child.running:  # a run stopped early (-x, Ctrl-C) leaves no stray process
         if child.proc.poll() is None:
             child.proc.kill()
+    for path in _SESSION_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
