@@ -67,6 +67,20 @@ def _kernel(s_ref, o_ref, *, width: int, padded: int, k: int):
     plgpu.store(o_ref.at[row, jnp.where(keep, slot, k + col)], col, mask=keep)
 
 
+def _row_program(rows: int, width: int, max_width: int, num_warps: int | None, cols_per_warp: int,
+                 max_warps: int) -> tuple[int, int]:
+    """(padded width, warps) of a one-row-per-program kernel; NotImplementedError where it does not fit."""
+    padded = max(32, 1 << (width - 1).bit_length())
+    if padded > max_width:
+        raise NotImplementedError(f"rows of {width} columns exceed the {max_width} one program holds")
+    if rows == 0:
+        raise NotImplementedError("no rows")
+    warps = num_warps or min(max_warps, max(1, padded // cols_per_warp))
+    if not is_pow2(warps):
+        raise NotImplementedError(f"num_warps must be a power of 2, got {warps}")
+    return padded, warps
+
+
 def topk_positions(scores: jax.Array, k: int, *, num_warps: int | None, interpret: bool) -> jax.Array:
     """scores bf16 [R, W] -> int32 [R, k] (see the module docstring).
 
@@ -76,14 +90,7 @@ def topk_positions(scores: jax.Array, k: int, *, num_warps: int | None, interpre
         raise NotImplementedError(f"bf16 scores only (16-bit keys), got {scores.dtype=}")
     if not 1 <= k <= width:
         raise NotImplementedError(f"k must be in [1, W={width}], got {k=}")
-    padded = max(32, 1 << (width - 1).bit_length())
-    if padded > MAX_WIDTH:
-        raise NotImplementedError(f"rows of {width} columns exceed the {MAX_WIDTH} one program holds")
-    if r == 0:
-        raise NotImplementedError("no rows")
-    warps = num_warps or min(8, max(1, padded // 512))
-    if not is_pow2(warps):
-        raise NotImplementedError(f"num_warps must be a power of 2, got {warps}")
+    padded, warps = _row_program(r, width, MAX_WIDTH, num_warps, 512, 8)
     kernel = functools.partial(_kernel, width=width, padded=padded, k=k)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), grid=(r,), interpret=interpret,
@@ -136,14 +143,7 @@ def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, num_warps: int 
         raise NotImplementedError(f"scores {scores.shape} and biased scores {biased.shape} differ")
     if not 1 <= k <= min(width, 64):
         raise NotImplementedError(f"k must be in [1, min(E={width}, 64)], got {k=}")
-    padded = max(32, 1 << (width - 1).bit_length())
-    if padded > ROUTER_MAX_WIDTH:
-        raise NotImplementedError(f"rows of {width} columns exceed the {ROUTER_MAX_WIDTH} one program holds")
-    if r == 0:
-        raise NotImplementedError("no rows")
-    warps = num_warps or min(4, max(1, padded // 256))
-    if not is_pow2(warps):
-        raise NotImplementedError(f"num_warps must be a power of 2, got {warps}")
+    padded, warps = _row_program(r, width, ROUTER_MAX_WIDTH, num_warps, 256, 4)
     kernel = functools.partial(_router_kernel, width=width, padded=padded, k=k, k_pad=max(2, 1 << (k - 1).bit_length()))
     return pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)),
