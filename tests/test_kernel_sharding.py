@@ -47,7 +47,7 @@ def spy(module, name):
     setattr(module, name, traced)
 
 
-for module, name in ((attn_gpu, "sparse_attn"), (sk_gpu, "hc_split_sinkhorn"), (fp8_gpu, "fp8_matmul"),
+for module, name in ((attn_gpu, "sparse_attn"), (sk_gpu, "hc_split_sinkhorn"), (fp8_gpu, "fp8_matmul_many"),
                      (em_gpu, "expert_matmul")):
     spy(module, name)
 warnings = []
