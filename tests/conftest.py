@@ -87,8 +87,8 @@ def pytest_collection_finish(session):
     """Tests marked `fake_devices` read one subprocess per module (`start_child()`, cached, with
     8 fake CPU devices); it starts as soon as collection has selected one of them, so it runs
     beside the rest of the suite instead of inside its first test."""
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under pytest-xdist a worker runs only some modules: each starts its child when first read
     for item in session.items:
         if item.get_closest_marker("fake_devices"):
             item.module.start_child()  # cached: one subprocess per module
