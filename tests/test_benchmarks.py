@@ -7,9 +7,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from benchmarks import model_speed
+from benchmarks import model_speed, tma_probe
 from dsv41_jax.layers import rms_norm
 
 
@@ -59,3 +60,21 @@ def test_prefill_count_follows_the_positions_each_layer_runs_on():
     # a layer's FLOPs grow with the positions it runs on
     assert all(got[i][1] < model_speed.count_layer(args, i, pb, 1, s, tokens_per_row=s)[1]
                for i, n in enumerate(rows) if n < s)
+
+
+def test_tma_probe_kernel_lowers_for_cuda_and_checks_its_shapes():
+    """benchmarks/tma_probe.py's Mosaic GPU kernel builds for CUDA on this host (lowering only:
+    its values and speed are measured on a GPU by the script), scaled and unscaled, with K
+    splits; shapes it cannot tile are refused by name."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    x = jax.ShapeDtypeStruct((3, 1280), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 1280), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((8, 40), jnp.float8_e8m0fnu)
+    for kw in ({"block_k": 256, "stages": 2}, {"block_k": 128, "stages": 2, "k_splits": 2, "scaled": False}):
+        fn = jax.jit(lambda x, w, s, kw=kw: tma_probe.fp8_matmul_tma(x, w, s, **kw))
+        text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        assert fn.eval_shape(x, w, s).shape == (3, 256)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        tma_probe.fp8_matmul_tma(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((100, 1280), jnp.float8_e4m3fn),
+                                 jnp.zeros((4, 40), jnp.uint8))
