@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import HEADER, Row, _best, _fmt, _time, copy_bandwidth, write_json
+from benchmarks.kernels import Row, _best, _fmt, _time, start_run, write_json
 from dsv41_jax import quant
 from pallas_kernels.fp8_matmul import api
 
@@ -136,11 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="kernel tiles also timed, comma list of bn=64/bk=256/w=4/st=3")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
-    dev = jax.devices()[0]
-    print(f"# device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
-    copy_bw = copy_bandwidth()
-    print(f"# copy bandwidth (read + write of 2 GiB): {copy_bw / 1e12:.2f} TB/s", flush=True)
-    print(HEADER, flush=True)
+    dev, copy_bw = start_run()
     rows = []
     for m in (int(v) for v in a.rows.split(",")):
         rows += rows_for(m, copy_bw, decodes=tuple(d for d in a.decodes.split(",") if d),

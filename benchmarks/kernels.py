@@ -359,6 +359,17 @@ HEADER = ("| site | shape | impl | wall µs | device µs | MB moved | of copy BW
           "|---|---|---|---|---|---|---|---|---|")
 
 
+def start_run():
+    """Prints the device and the copy bandwidth measured now, then the table header; returns
+    (device, copy bytes/s) for the rows' fractions."""
+    dev = jax.devices()[0]
+    print(f"# device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    copy_bw = copy_bandwidth()
+    print(f"# copy bandwidth (read + write of 2 GiB): {copy_bw / 1e12:.2f} TB/s", flush=True)
+    print(HEADER, flush=True)
+    return dev, copy_bw
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time tile variants of the attention kernel first")
@@ -371,11 +382,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-s", type=float, default=None, help="time for the sweep (default: half the budget)")
     a = p.parse_args(argv)
     deadline = time.time() + a.budget_s
-    dev = jax.devices()[0]
-    print(f"# device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
-    copy_bw = copy_bandwidth()
-    print(f"# copy bandwidth (read + write of 2 GiB): {copy_bw / 1e12:.2f} TB/s", flush=True)
-    print(HEADER, flush=True)
+    dev, copy_bw = start_run()
     rows = floor_rows(copy_bw)
     for r in rows:
         print(_fmt(r), flush=True)

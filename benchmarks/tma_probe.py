@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from benchmarks.fp8_linear import SHAPES, weights
-from benchmarks.kernels import HEADER, Row, _best, _fmt, _time, copy_bandwidth, write_json
+from benchmarks.kernels import Row, _best, _fmt, _time, start_run, write_json
 
 BLOCK_N = 64  # wgmma rows: one tile of output columns
 GROUP = 32  # weight scale block
@@ -163,11 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,16", help="activation rows M (comma list, <= 64)")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
-    dev = jax.devices()[0]
-    print(f"# device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
-    copy_bw = copy_bandwidth()
-    print(f"# copy bandwidth (read + write of 2 GiB): {copy_bw / 1e12:.2f} TB/s", flush=True)
-    print(HEADER, flush=True)
+    dev, copy_bw = start_run()
     rows = [r for m in a.rows.split(",") for r in rows_for(int(m), copy_bw)]
     if a.json:
         write_json(a.json, dev.device_kind, copy_bw, rows)
