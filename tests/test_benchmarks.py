@@ -65,16 +65,24 @@ def test_prefill_count_follows_the_positions_each_layer_runs_on():
 def test_tma_probe_kernel_lowers_for_cuda_and_checks_its_shapes():
     """benchmarks/tma_probe.py's Mosaic GPU kernel builds for CUDA on this host (lowering only:
     its values and speed are measured on a GPU by the script), scaled and unscaled, with K
-    splits; shapes it cannot tile are refused by name."""
+    splits, and the persistent variant (programs taking several work items, staged scales);
+    shapes they cannot tile are refused by name."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     x = jax.ShapeDtypeStruct((3, 1280), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((256, 1280), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((8, 40), jnp.float8_e8m0fnu)
-    for kw in ({"block_k": 256, "stages": 2}, {"block_k": 128, "stages": 2, "k_splits": 2, "scaled": False}):
-        fn = jax.jit(lambda x, w, s, kw=kw: tma_probe.fp8_matmul_tma(x, w, s, **kw))
+    for kernel, kw in ((tma_probe.fp8_matmul_tma, {"block_k": 256, "stages": 2}),
+                       (tma_probe.fp8_matmul_tma, {"block_k": 128, "stages": 2, "k_splits": 2, "scaled": False}),
+                       (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 4, "programs": 3}),
+                       (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 2, "k_splits": 5})):
+        fn = jax.jit(lambda x, w, s, kernel=kernel, kw=kw: kernel(x, w, s, **kw))
         text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
         assert fn.eval_shape(x, w, s).shape == (3, 256)
-    with pytest.raises(ValueError, match="unsupported shape"):
-        tma_probe.fp8_matmul_tma(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((100, 1280), jnp.float8_e4m3fn),
-                                 jnp.zeros((4, 40), jnp.uint8))
+    for kernel in (tma_probe.fp8_matmul_tma, tma_probe.fp8_matmul_tma_persistent):
+        with pytest.raises(ValueError, match="unsupported shape"):
+            kernel(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((100, 1280), jnp.float8_e4m3fn),
+                   jnp.zeros((4, 40), jnp.uint8))
+    with pytest.raises(ValueError, match="block_k=128"):
+        tma_probe.fp8_matmul_tma_persistent(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((128, 1280), jnp.float8_e4m3fn),
+                                            jnp.zeros((4, 40), jnp.uint8), block_k=128)
