@@ -9,7 +9,9 @@ the bytes it must move (e4m3 weight + scales + activations in + bf16 out) as a f
 copy bandwidth measured in the same run, plus the fraction of outputs bit-identical to XLA's
 (the two differ only in fp32 summation order). "layer" rows add the seven projections of one
 decoder layer; "one launch" rows time the projections of one input that the model computes in
-one launch (`api.linear_many`) against a launch each.
+one launch (`api.linear_many`) against a launch each. "attn.wo_a" rows time the attention's
+block-diagonal projection (`api.grouped`, bf16 inputs): the kernel, XLA on the fp8 matrix
+(widened inside the jit) and XLA on a bf16 copy of the matrix (a bf16 checkpoint's layout).
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ SHAPES = {
 }
 COUNT = {"shared.w1 (= w3)": 2}  # w1 and w3 have the same shape
 # projections of one input that the model runs in one launch (`fp8_matmul.linear_many`)
-FUSED = {"attn.wq_a + attn.wkv": ("attn.wq_a", "attn.wkv"), "shared.w1 + w3": ("shared.w1 (= w3)",) * 2}
+FUSED = {"attn.wq_a + attn.wkv": ("attn.wq_a", "attn.wkv"), "shared.w1 + w3": ("shared.w1 (= w3)",) * 2,
+         "attn.wq_b + indexer.wq_b": ("attn.wq_b", "indexer.wq_b")}
+# the grouped wo_a: (groups, K per group, N = groups x o_lora_rank)
+WO_A = (8, 4096, 8192)
 
 
 def weights(k: int, n: int, seed: int):
@@ -99,6 +104,39 @@ def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: in
                        total_bytes / t / copy_bw))
         print(_fmt(out[-1]), flush=True)
     out += fused_rows(m, copy_bw, inner=inner, reps=reps)
+    out += grouped_rows(m, copy_bw, inner=inner, reps=reps)
+    return out
+
+
+def grouped_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10) -> list[Row]:
+    """wo_a: x bf16 [m, G, K] times the block-diagonal [N, K] matrix, three ways (module doc)."""
+    from pallas_kernels.fp8_matmul import reference as ref
+
+    g, k, n = WO_A
+    out = []
+    x = jax.random.normal(jax.random.key(m), (m, g, k), jnp.float32).astype(jnp.bfloat16)
+    ws = [weights(k, n, 300 * i + 11) for i in range(inner)]
+    wide = [quant.dequant_fp8_weight(w, s, jnp.bfloat16).reshape(g, n // g, k) for w, s in ws]
+    want = ref.grouped(x, *ws[0])
+    bs = api.BlockSizes(max_rows=1 << 30)
+    io = 2 * m * g * k + 2 * m * n  # x [m, G*K] in, [m, N] out
+    fp8_bytes, bf16_bytes = n * k + (n // 32) * (k // 32) + io, 2 * n * k + io
+
+    def bf16_einsum(x, wd):
+        return jnp.einsum("mgd,grd->mgr", x, wd, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    impls = (("pallas", lambda x, w, s: api.grouped(x, w, s, implementation="pallas", block_sizes=bs),
+              lambda i: (x, *ws[i % inner]), fp8_bytes),
+             ("xla, fp8 matrix", ref.grouped, lambda i: (x, *ws[i % inner]), fp8_bytes),
+             ("xla, bf16 matrix", bf16_einsum, lambda i: (x, wide[i % inner]), bf16_bytes))
+    for label, fn, args, nbytes in impls:
+        sec, dev = _time(fn, args, inner=inner, reps=reps)
+        got = fn(*args(0))
+        same = float(np.mean(np.asarray(got).view(np.uint16) == np.asarray(want).view(np.uint16)))
+        t = _best(sec, dev)
+        out.append(Row("fp8 linear attn.wo_a (grouped)", f"M={m} G={g} K={k} N={n}", label, sec * 1e6, dev * 1e6,
+                       nbytes, nbytes / t / copy_bw, f"{same:.4f} bit-identical to xla on fp8"))
+        print(_fmt(out[-1]), flush=True)
     return out
 
 

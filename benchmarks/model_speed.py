@@ -149,8 +149,8 @@ def count_layer(args: ModelArgs, layer: int, pb: dict, batch: int, context: int,
       + indexer 2 x ih x ihd x (T/r) per scoring token + attention 4 x heads x hd x (window +
       topk) per token. Prefill counts the compressed keys each position sees: on average
       (S - n/2) / r for the last n of S positions (S / 2r for all of them).
-    At the released width and batch 1 this gives about 284 MB per layer (SPEC §19.3) with the
-    wo_a projection counted as stored (bf16 in this port: +33.5 MB against fp8)."""
+    At the released width and batch 1 this gives about 284 MB per layer (SPEC §19.3; wo_a fp8 as
+    stored)."""
     a = args
     lp = pb["layers"][layer]
     n_exp, k = a.moe_experts(layer)

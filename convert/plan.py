@@ -9,7 +9,7 @@ parameter of `Transformer(target_args)` (module paths, from `nnx.eval_shape`) to
   * value rule, from (hub dtype, parameter dtype):
       copy          same dtype, bits kept (fp8 e4m3, e8m0 scales, packed-fp4 int8, bf16, f32);
       widen         bf16 -> f32 (exact);
-      dequant_fp8   e4m3 + its `.scale` sibling -> bf16 / f32 (attn.wo_a, and every fp8 Linear
+      dequant_fp8   e4m3 + its `.scale` sibling -> bf16 / f32 (every fp8 Linear
                     in `--dtype bf16` mode);
       dequant_fp4   packed e2m1 + `.scale` -> bf16 / f32 (routed experts in bf16 mode).
 

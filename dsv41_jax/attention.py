@@ -34,6 +34,7 @@ from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, update_win
 from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_linears, apply_rope, linear_kernels, rope_angles, rope_freqs
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
+from pallas_kernels.fp8_matmul import api as fp8_matmul
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
 
@@ -369,11 +370,12 @@ class Indexer(nnx.Module):
         k = apply_rope(self.k_norm(self.wk(latent)), cos, sin, self.rope_dim)
         return quant.fp4_quant_dequant_ue8m0(k, QUANT_BLOCK)
 
-    def queries(self, qr: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """qr bf16 [b, s, q_lora_rank] -> q bf16 [b, s, ih, ihd]: RoPE at the query positions,
-        FP4 QDQ (UE8M0, 32)."""
-        b, s, _ = qr.shape
-        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+    def queries(self, qi: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """qi = wq_b(qr) bf16 [b, s, ih*ihd] (`Attention.query_kv` projects it beside the
+        attention's own wq_b, which reads the same qr) -> q bf16 [b, s, ih, ihd]: RoPE at the
+        query positions, FP4 QDQ (UE8M0, 32)."""
+        b, s, _ = qi.shape
+        q = qi.reshape(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin, self.rope_dim)
         return quant.fp4_quant_dequant_ue8m0(q, QUANT_BLOCK)
 
@@ -381,9 +383,9 @@ class Indexer(nnx.Module):
         """x bf16 [b, s, dim] -> bf16 [b, s, ih] = weights_proj(x) * ihd^-0.5 * ih^-0.5 (f32 product)."""
         return to_bf16(round_bf16(self.weights_proj(x)) * _F32(self.weight_scale))
 
-    def prefill(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
+    def prefill(self, x: jax.Array, qi: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
                 offset: int, candidates: jax.Array | None = None) -> dict:
-        """Scores and top-k for a prefill. x [b, S, dim], qr [b, S, q_lora_rank], index_k bf16
+        """Scores and top-k for a prefill. x [b, S, dim], qi [b, S, ih*ihd] (`queries`), index_k bf16
         [b, S//r, ihd], cos/sin at positions 0..S-1, offset = window-KV length (S), candidates
         bool [b, S, S//r] (layers that use them).
 
@@ -394,13 +396,13 @@ class Indexer(nnx.Module):
         width = index_k.shape[1]
         if width != s // self.ratio:
             raise ValueError(f"index_k has {width} rows, expected S//ratio = {s // self.ratio}")
-        scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
+        scores = index_scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
         return self._select(scores, causal_compress_lens(s, self.ratio), offset, candidates)
 
-    def decode(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
+    def decode(self, x: jax.Array, qi: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
                pos: jax.Array, offset: int, candidates: jax.Array | None = None,
                context_bound: int | None = None) -> dict:
-        """Scores and top-k for one token per row. x [b, 1, dim], qr [b, 1, q_lora_rank], index_k
+        """Scores and top-k for one token per row. x [b, 1, dim], qi [b, 1, ih*ihd], index_k
         bf16 [b, N, ihd] (a whole cache: N = max_seq_len // r), cos/sin at `pos` int32 [b],
         offset = window length (the ring comes first in the KV concat), candidates bool [b, 1, N].
         context_bound (static int or None): a promise that every pos < context_bound; then only
@@ -423,10 +425,10 @@ class Indexer(nnx.Module):
         n = index_k.shape[1]
         w = self.decode_index_width(n, context_bound)
         if w < n:  # every hidden column is -inf and never chosen: score the visible prefix only
-            out = self.decode(x, qr, index_k[:, :w], cos, sin, pos, offset,
+            out = self.decode(x, qi, index_k[:, :w], cos, sin, pos, offset,
                               None if candidates is None else candidates[..., :w])
             return pad_index_outputs(out, n, min(self.index_topk, n), self.candidate_block_size)
-        scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
+        scores = index_scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
         lens = ((pos + 1) // self.ratio).astype(jnp.int32)[:, None, None]  # [b, 1, 1]
         out = self._select(scores, lens, offset, candidates)
         if "candidates" in out:
@@ -445,9 +447,9 @@ class Indexer(nnx.Module):
             rows = -(-rows // self.candidate_block_size) * self.candidate_block_size
         return max(1, min(n, rows))
 
-    def chunk(self, x: jax.Array, qr: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
+    def chunk(self, x: jax.Array, qi: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
               pos: jax.Array, candidates: jax.Array | None = None) -> dict:
-        """Scores and top-k for a span of queries. x [b, c, dim], qr [b, c, q_lora_rank], index_k
+        """Scores and top-k for a span of queries. x [b, c, dim], qi [b, c, ih*ihd], index_k
         bf16 [b, N, ihd] (rows = groups 0..N-1: a cache, or a prefill's keys), cos/sin [b, c, rd/2]
         at pos int32 [b, c], candidates bool [b, c, N] (layers that use them).
 
@@ -455,7 +457,7 @@ class Indexer(nnx.Module):
         "topk" holding the chosen rows themselves (no offset, -1 = none): the reference's rows
         followed by -1s (see `decode`: the same static-k argument holds per query).
         """
-        scores = index_scores(self.queries(qr, cos, sin), index_k, self.head_weights(x))
+        scores = index_scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
         return self._select(scores, ((pos + 1) // self.ratio)[..., None], 0, candidates)
 
     def _select(self, scores: jax.Array, lens: jax.Array, offset: int, candidates: jax.Array | None) -> dict:
@@ -498,7 +500,8 @@ def resolve_attn_accumulate(choice: str) -> str:
 class Attention(nnx.Module):
     """One layer's attention (SPEC §5). Parameters as the reference names them:
     wq_a [q_lora_rank, dim] fp8, q_norm, wq_b [H*hd, q_lora_rank] fp8, wkv [hd, dim] fp8, kv_norm,
-    wo_a [g*o_lora_rank, H*hd/g] bf16, wo_b [dim, g*o_lora_rank] fp8, attn_sink f32 [H];
+    wo_a [g*o_lora_rank, H*hd/g] fp8 (kept as shipped; the reference's convert.py widens it to
+    bf16, the same values), wo_b [dim, g*o_lora_rank] fp8, attn_sink f32 [H];
     compressor (kv sources) and indexer (index sources).
     """
 
@@ -528,7 +531,7 @@ class Attention(nnx.Module):
         self.wq_b = Linear(args.q_lora_rank, hd_all, lin, **kern)
         self.wkv = Linear(args.dim, self.head_dim, lin, **kern)
         self.kv_norm = RMSNorm(self.head_dim, eps)
-        self.wo_a = Linear(hd_all // self.n_groups, self.n_groups * self.o_lora_rank, "bf16")
+        self.wo_a = Linear(hd_all // self.n_groups, self.n_groups * self.o_lora_rank, lin, **kern)
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim, lin, **kern)
         # shared keys this layer reads (published by lower layers)
         self.reads = tuple(
@@ -552,17 +555,23 @@ class Attention(nnx.Module):
         pos = jnp.asarray(pos)
         return rope_angles(np.asarray(self.freqs, np.float32), pos[:, None] if pos.ndim == 1 else pos)
 
-    def query_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qr bf16 [b, s, q_lora_rank],
-        kv bf16 [b, s, hd]). qr = q_norm(wq_a(x)), q = wq_b(qr); kv = kv_norm(wkv(x)), RoPE, then
+    def query_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qi bf16 [b, s, ih*ihd] or None,
+        kv bf16 [b, s, hd]). qr = q_norm(wq_a(x)), q = wq_b(qr), qi = indexer.wq_b(qr) on index
+        sources (both projections of qr in one kernel launch where the fp8 kernel runs:
+        `apply_linears`); kv = kv_norm(wkv(x)), RoPE, then
         FP8 QDQ (32, UE8M0) over the whole vector, RoPE tail included. wq_a and wkv read the same
         x: one fp8 kernel launch (`layers.apply_linears`)."""
         b, s, _ = x.shape
         qa, kv = apply_linears(x, (self.wq_a, self.wkv))
         qr = self.q_norm(qa)
-        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        if self.indexer is not None:
+            q, qi = apply_linears(qr, (self.wq_b, self.indexer.wq_b))
+        else:
+            q, qi = self.wq_b(qr), None
+        q = q.reshape(b, s, self.n_heads, self.head_dim)
         kv = apply_rope(self.kv_norm(kv), cos, sin, self.rope_dim)
-        return apply_rope(q, cos, sin, self.rope_dim), qr, quant.act_quant_dequant(kv, QUANT_BLOCK)
+        return apply_rope(q, cos, sin, self.rope_dim), qi, quant.act_quant_dequant(kv, QUANT_BLOCK)
 
     def compress_latent(self, latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Pre-RoPE latent bf16 [b, n, hd] -> cached compressed KV: RoPE at the group starts
@@ -574,14 +583,18 @@ class Attention(nnx.Module):
         b, s = o.shape[:2]
         o = apply_rope(o, cos, sin, self.rope_dim, inverse=True)
         o = to_bf16(o).reshape(b, s, self.n_groups, -1)
-        wo_a = self.wo_a.weight[...].reshape(self.n_groups, self.o_lora_rank, -1)
-        # block-diagonal over groups: group g only sees its own heads. One bf16 einsum with f32
-        # accumulation (every product of two bf16 values is exact in f32, so this forms the f32
-        # sum that an f32 einsum of the same values forms, at the bf16 matmul rate), one rounding
-        y = to_bf16(jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=_F32))
+        # block-diagonal over groups: group g only sees its own heads. fp32 accumulation of exact
+        # bf16 x bf16 products (an e4m3 weight times its power-of-two scale is exact in bf16, so
+        # the fp8 matrix gives the reference's bf16 values), one rounding
+        if self.wo_a.dtype == "fp8":
+            y = fp8_matmul.grouped(o, self.wo_a.weight[...], self.wo_a.scale[...],
+                                   implementation=self.wo_a.kernels, interpret=self.wo_a.kernels_interpret)
+        else:
+            wo_a = self.wo_a.weight[...].reshape(self.n_groups, self.o_lora_rank, -1)
+            y = to_bf16(jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=_F32))
         return self.wo_b(y.reshape(b, s, self.n_groups * self.o_lora_rank))
 
-    def compressed_prefill(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array,
+    def compressed_prefill(self, x: jax.Array, qi: jax.Array | None, cos: jax.Array, sin: jax.Array,
                            shared: dict, aux: dict, lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The compressed branch of a prefill (SPEC §5.5-5.9). Updates `shared` / `aux` in place.
         Returns (compressed KV bf16 [b, S//r, hd], indices int32 [b, S, k], offset by S)."""
@@ -604,7 +617,7 @@ class Attention(nnx.Module):
                 topk = jnp.zeros((b, s, 0), jnp.int32)
             else:
                 cand = _require(shared, "candidates", self.layer_id) if self.uses_candidates else None
-                res = self.indexer.prefill(x, qr, _require(shared, "index_k", self.layer_id), cos, sin,
+                res = self.indexer.prefill(x, qi, _require(shared, "index_k", self.layer_id), cos, sin,
                                            offset=s, candidates=cand)
                 topk = res["topk"]
                 aux.update(res)
@@ -630,12 +643,12 @@ class Attention(nnx.Module):
         for key in self.reads:
             _require(shared, key, self.layer_id)
         cos, sin = self.rope(jnp.arange(s))
-        q, qr, kv = self.query_kv(x, cos, sin)
+        q, qi, kv = self.query_kv(x, cos, sin)
         lens = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         aux["window_kv"] = seed_window(kv, lens, self.window)
         idx = jnp.broadcast_to(window_topk_idxs(self.window, s, 0)[None], (b, s, min(s, self.window)))
         if self.ratio:
-            compress_kv, topk = self.compressed_prefill(x, qr, cos, sin, shared, aux, lengths)
+            compress_kv, topk = self.compressed_prefill(x, qi, cos, sin, shared, aux, lengths)
             kv = jnp.concatenate([kv, compress_kv.astype(kv.dtype)], axis=1)
             idx = jnp.concatenate([idx, topk], axis=-1)
         return q, kv, idx, shared, aux
@@ -708,13 +721,13 @@ class Attention(nnx.Module):
         lengths = jnp.asarray(lengths, jnp.int32)
         pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [b, c]
         cos, sin = self.rope_rows(pos)  # [b, c, rd/2]
-        q, qr, kv = self.query_kv(x, cos, sin)
+        q, qi, kv = self.query_kv(x, cos, sin)
         ring = cache["window_kv"] if history else jnp.zeros((b, self.window, kv.shape[-1]), kv.dtype)
         cache["window_kv"] = aux["window_kv"] = update_window(ring, kv, start, start + lengths)
         keys = jnp.concatenate([ring.astype(kv.dtype), kv], axis=1) if history else kv
         idx = span_window_idxs(self.window, c, start, history)
         if self.ratio:
-            rows, topk = self.compressed_chunk(x, qr, cos, sin, pos, start, lengths, shared, cache, aux)
+            rows, topk = self.compressed_chunk(x, qi, cos, sin, pos, start, lengths, shared, cache, aux)
             offset = keys.shape[1]
             keys = jnp.concatenate([keys, rows.astype(kv.dtype)], axis=1)
             idx = jnp.concatenate([idx, jnp.where(topk >= 0, topk + offset, -1)], axis=-1)
@@ -722,7 +735,7 @@ class Attention(nnx.Module):
                         accumulate=self.accumulate, interpret=self.kernels_interpret)
         return self.output(o, cos, sin), shared, cache, aux
 
-    def compressed_chunk(self, x, qr, cos, sin, pos, start, lengths, shared: dict, cache: dict, aux: dict):
+    def compressed_chunk(self, x, qi, cos, sin, pos, start, lengths, shared: dict, cache: dict, aux: dict):
         """The compressed branch of a span. Updates shared / cache / aux in place. Returns
         (compressed rows bf16 [b, N, hd] of the kv source, chosen rows int32 [b, c, k], -1 = none)."""
         c = x.shape[1]
@@ -745,7 +758,7 @@ class Attention(nnx.Module):
             cand = None
             if self.uses_candidates:
                 cand = rows_at(_require(shared, "candidates", self.layer_id), shared["candidates_start"], start, c)
-            res = self.indexer.chunk(x, qr, _require(shared, "index_k", self.layer_id), cos, sin, pos, cand)
+            res = self.indexer.chunk(x, qi, _require(shared, "index_k", self.layer_id), cos, sin, pos, cand)
             aux.update(res)
             if self.is_candidate_source:
                 shared["candidates"], shared["candidates_start"] = res["candidates"], start
@@ -772,12 +785,12 @@ class Attention(nnx.Module):
             _require(shared, key, self.layer_id)
         pos = jnp.asarray(pos, jnp.int32)
         cos, sin = self.rope_rows(pos)
-        q, qr, kv = self.query_kv(x, cos, sin)
+        q, qi, kv = self.query_kv(x, cos, sin)
         cache["window_kv"] = ring = write_row(cache["window_kv"], pos % self.window, kv[:, 0])
         kv = ring
         idx = jax.vmap(lambda p: window_topk_idxs(self.window, 1, p))(pos)  # [b, 1, window]
         if self.ratio:
-            rows, topk = self.compressed_decode(x, qr, cos, sin, pos, shared, cache, aux, reference_compat,
+            rows, topk = self.compressed_decode(x, qi, cos, sin, pos, shared, cache, aux, reference_compat,
                                                 context_bound)
             # gather the chosen rows (ascending, -1 last) instead of concatenating the whole cache;
             # sparse_attn sees the same vectors in the same order
@@ -790,7 +803,7 @@ class Attention(nnx.Module):
                         accumulate=self.accumulate, interpret=self.kernels_interpret)
         return self.output(o, cos, sin), shared, cache, aux
 
-    def compressed_decode(self, x: jax.Array, qr: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
+    def compressed_decode(self, x: jax.Array, qi: jax.Array | None, cos: jax.Array, sin: jax.Array, pos: jax.Array,
                           shared: dict, cache: dict, aux: dict, reference_compat,
                           context_bound: int | None = None) -> tuple[jax.Array, jax.Array]:
         """The compressed branch of a decode step. Updates shared / cache / aux in place. Returns
@@ -802,7 +815,7 @@ class Attention(nnx.Module):
         if self.is_index_source:
             index_k, owner = read_index_k(shared, rows.shape[1], self.layer_id)
             cand = _require(shared, "candidates", self.layer_id) if self.uses_candidates else None
-            res = self.indexer.decode(x, qr, index_k, cos, sin, pos, offset=self.window, candidates=cand,
+            res = self.indexer.decode(x, qi, index_k, cos, sin, pos, offset=self.window, candidates=cand,
                                       context_bound=context_bound)
             aux.update(res)
             aux["index_k_owner"] = owner

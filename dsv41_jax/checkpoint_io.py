@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 FORMAT = "dsv41-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: attn.wo_a kept fp8 with its scales (1 stored it widened to bf16)
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 TOKEN_MAP_FILE = "engram_map.npy"
@@ -87,7 +87,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise ConvertedCheckpointError(
             f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}; this reader "
-            f"understands {FORMAT!r} version {FORMAT_VERSION}"
+            f"understands {FORMAT!r} version {FORMAT_VERSION} (run dsv41-convert again to rewrite it)"
         )
     if manifest.get("complete") is not True:
         raise ConvertedCheckpointError(f"{path} does not mark the conversion complete")

@@ -9,8 +9,9 @@ parallelism and for gathering a token's experts in one op): hub
 Dtype rules (the same conversions the reference's loader applies):
 - quantised params (e4m3 / e8m0 / packed-fp4 int8) must match the hub dtype bit for bit;
 - bf16 hub values go into fp32 params unchanged (exact widening);
-- a bf16 param whose hub tensor is fp8 with a `.scale` sibling is dequantised (attn.wo_a, which
-  the reference's convert.py widens to bf16); that scale is then consumed too.
+- a bf16 param whose hub tensor is fp8 with a `.scale` sibling is dequantised (every fp8 Linear
+  of a `dtype="bf16"` model); that scale is then consumed too. (attn.wo_a, which the
+  reference's convert.py widens to bf16, stays fp8 here and is widened inside its matmul.)
 
 An Engram table parameter may have more rows than the hub's (`ModelArgs.engram_rows_multiple`,
 storage padding for sharding): the hub rows fill the first rows, the rest are zero.

@@ -433,7 +433,8 @@ def test_output_projection_derotates_then_projects_each_group_with_its_own_wo_a_
     cos, sin = att.rope(jnp.arange(s))
     got = att.output(o, cos, sin)
     od = f64(apply_rope(o, cos, sin, ARGS.rope_head_dim, inverse=True)).reshape(b, s, g, h * hd // g)
-    wa = f64(att.wo_a.weight[...]).reshape(g, r, h * hd // g)
+    assert att.wo_a.weight[...].dtype == jnp.float8_e4m3fn  # kept as shipped, widened in the matmul
+    wa = f64(quant.dequant_fp8_weight(att.wo_a.weight[...], att.wo_a.scale[...], jnp.float32)).reshape(g, r, h * hd // g)
     y = np.stack([od[:, :, gi] @ wa[gi].T for gi in range(g)], axis=2).reshape(b, s, g * r)
     y = jnp.asarray(bf16_round(y).astype(BF16))
     # wo_a is the only step computed here, so its bf16 output may differ by one rounding
@@ -503,8 +504,8 @@ def test_parameters_are_named_shaped_and_typed_like_the_reference():
     assert src20["wq_a.scale"] == ((40, 160), jnp.float8_e8m0fnu)
     assert src20["wq_b.weight"] == ((H * hd, args.q_lora_rank), jnp.float8_e4m3fn)
     assert src20["wkv.weight"] == ((hd, d), jnp.float8_e4m3fn)
-    assert src20["wo_a.weight"] == ((args.o_groups * args.o_lora_rank, H * hd // args.o_groups), jnp.bfloat16)
-    assert "wo_a.scale" not in src20
+    assert src20["wo_a.weight"] == ((args.o_groups * args.o_lora_rank, H * hd // args.o_groups), jnp.float8_e4m3fn)
+    assert src20["wo_a.scale"] == ((256, 128), jnp.float8_e8m0fnu)
     assert src20["wo_b.weight"] == ((d, args.o_groups * args.o_lora_rank), jnp.float8_e4m3fn)
     assert src20["q_norm.weight"] == ((args.q_lora_rank,), jnp.bfloat16)
     assert src20["kv_norm.weight"] == ((hd,), jnp.bfloat16)

@@ -129,15 +129,17 @@ def test_bit_decode_of_every_e4m3_code():
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # bits, so -0 counts
 
 
-@pytest.mark.parametrize(("decode", "k_splits", "n_w"), [("native", 1, 1), ("bits", 1, 1), ("native", 4, 1),
-                                                      ("bits", 4, 1), ("native", 4, 2)])
-def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w):
+@pytest.mark.parametrize(("decode", "k_splits", "n_w", "groups"),
+                         [("native", 1, 1, 1), ("bits", 1, 1, 1), ("native", 4, 1, 1), ("bits", 4, 1, 1),
+                          ("native", 4, 2, 1), ("native", 2, 1, 4)])
+def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w, groups):
     """The Pallas -> Triton lowering runs without a GPU (cross-platform lowering); n_w matrices
-    in one launch."""
+    in one launch, or one grouped matrix."""
     x, w, s, _, _ = make(np.random.default_rng(0), 8, 256, 2048)
+    x = jnp.tile(x, (1, groups))
     f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
         x, (w,) * n_w, (s,) * n_w, block_m=16, block_n=64, block_k=256, k_splits=k_splits, num_warps=4,
-        num_stages=3, decode=decode, interpret=False)
+        num_stages=3, decode=decode, interpret=False, groups=groups)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
 
@@ -178,6 +180,50 @@ def test_linear_many_is_linear_per_matrix():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(quant.linear_fp8(x, w, s)))
     with pytest.raises(ValueError, match="one scale per weight"):
         api.linear_many(x, (w1, w2), (s1,), implementation="reference")
+
+
+def _grouped_inputs(rng, lead, g, r, k):
+    _, w, s, w_np, s_np = make(rng, 1, g * r, k)
+    x = jnp.asarray(rng.standard_normal((*lead, g, k)) * 2, jnp.bfloat16)  # bf16 as given, not quantised
+    return x, w, s, np_dense(w_np, s_np)
+
+
+@pytest.mark.parametrize(("implementation", "interpret"), [
+    ("reference", False), ("pallas", True), pytest.param("pallas", False, marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize(("lead", "g", "r", "k", "over"), [((1, 1), 4, 64, 256, {}),
+                                                          ((3, 2), 2, 96, 128, {"block_n": 32, "k_splits": 2})])
+def test_grouped_is_block_diagonal_against_the_float64_oracle(implementation, interpret, lead, g, r, k, over):
+    """grouped: group j of x times rows [j*R, (j+1)*R) of the widened matrix; on the kernel path
+    (interpret) every group equals a launch of its own rows and x slice, bit for bit."""
+    x, w, s, dense = _grouped_inputs(np.random.default_rng(g * r + k), lead, g, r, k)
+    bs = api.BlockSizes(**over)
+    out = api.grouped(x, w, s, implementation=implementation, interpret=interpret, block_sizes=bs)
+    assert out.shape == (*lead, g, r) and out.dtype == jnp.bfloat16
+    rows = int(np.prod(lead))
+    for j in range(g):
+        xj = x[..., j, :].reshape(rows, k)
+        check_oracle(out[..., j, :].reshape(rows, r), xj, dense[j * r:(j + 1) * r])
+        if implementation == "pallas":
+            one = api.fp8_matmul(xj, w[j * r:(j + 1) * r], s[j * r // 32:(j + 1) * r // 32], implementation="pallas",
+                                 interpret=interpret, block_sizes=bs.resolved(rows, (r,) * g, k))
+            np.testing.assert_array_equal(np.asarray(out[..., j, :].reshape(rows, r)), np.asarray(one))
+    base = ref.grouped(x, w, s)
+    assert np.mean(ulps(out, base) == 0) >= 0.97
+
+
+def test_grouped_refuses_bad_shapes_and_falls_back_when_groups_cannot_be_tiled(caplog):
+    x, w, s, _ = _grouped_inputs(np.random.default_rng(9), (2,), 2, 48, 128)  # R = 48: no block divides it
+    with caplog.at_level(logging.WARNING):
+        out = api.grouped(x, w, s, implementation="pallas", interpret=True)
+    assert "fp8_matmul: kernel does not handle" in caplog.text
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.grouped(x, w, s)))
+    with pytest.raises(ValueError, match=r"x \[\.\.\., G, K\] and e4m3 w \[G\*R, K\]"):
+        api.grouped(x[..., :64], w, s, implementation="reference")
+    with pytest.raises(ValueError, match="s must be e8m0"):
+        api.grouped(x, w, s[:1], implementation="reference")
+    with pytest.raises(NotImplementedError, match="groups"):
+        kernel_gpu.fp8_matmul(x.reshape(2, -1)[:, :128], w, s, groups=2, block_m=16, block_n=32, block_k=64,
+                              k_splits=1, num_warps=4, num_stages=3, decode="native", interpret=True)
 
 
 def test_nan_weight_code_gives_nan_in_its_columns():
@@ -264,8 +310,8 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
     assert fp8 and all(m.kernels == "pallas" and m.kernels_interpret for m in fp8)
     calls = []
     original = kernel_gpu.fp8_matmul_many
-    monkeypatch.setattr(kernel_gpu, "fp8_matmul_many",
-                        lambda x, ws, *a, **kw: calls.append((x.shape, len(ws))) or original(x, ws, *a, **kw))
+    monkeypatch.setattr(kernel_gpu, "fp8_matmul_many", lambda x, ws, *a, **kw: calls.append(
+        (x.shape, len(ws), kw.get("groups", 1))) or original(x, ws, *a, **kw))
     jax.clear_caches()
     cache = parity.teacher_forced_cache(parity.load_model(gs), gs)
 
@@ -275,7 +321,8 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
         return np.asarray(logits, np.float32)
 
     got = first_step(model)
-    assert calls and all(shape[0] <= api.BlockSizes().max_rows for shape, _ in calls)
-    assert {n for _, n in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
+    assert calls and all(shape[0] <= api.BlockSizes().max_rows for shape, _, _ in calls)
+    assert {n for _, n, _ in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
+    assert {g for _, _, g in calls} == {1, gs.args.o_groups}  # wo_a: one grouped launch
     want = first_step(parity.load_model(gs))
     np.testing.assert_array_equal(got, want)

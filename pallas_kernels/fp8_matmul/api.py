@@ -4,6 +4,8 @@ and e8m0 scales per 32 x 32 block).
 `fp8_matmul(x [M, K], w, s)` multiplies act-quantised bf16 rows by the block-scaled matrix;
 `linear(x [..., K], w, s)` is the whole `linear()` (activation quantiser, then the matmul);
 `linear_many(x, ws, ss)` is `linear` for several matrices of one input, in one kernel launch.
+`grouped(x [..., G, K], w [G*R, K], s)` is the attention's block-diagonal `wo_a` (bf16 inputs,
+not quantised; group g of x times the g-th R rows of the matrix).
 `implementation`: "reference" (jnp: widen the weight to bf16, then dot; reference.py), "pallas"
 (kernel_gpu: read e4m3 + scales, widen inside the kernel), "auto" (the kernel on a GPU, the
 reference on CPU; pallas_kernels/_dispatch.py). The kernel serves few rows (decode), where the
@@ -88,16 +90,17 @@ def _validate(x, w, s):
         raise ValueError(f"fp8_matmul: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, ws, ss, interpret, block_sizes):
+def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1):
     """The kernel's outputs (a tuple, one per weight), or None when the reference must run (a
-    shape the kernel refuses); callers check `gpu_kernel` first."""
-    m, k = x.shape
-    bs = (block_sizes or BlockSizes()).resolved(m, tuple(w.shape[0] for w in ws), k)
+    shape the kernel refuses); callers check `gpu_kernel` first. `groups`: kernel_gpu's."""
+    m, k = x.shape[0], ws[0].shape[1]
+    ns = tuple(w.shape[0] // groups for w in ws) * groups  # block_n must divide each group's rows
+    bs = (block_sizes or BlockSizes()).resolved(m, ns, k)
     try:
         outs = kernel_gpu.fp8_matmul_many(x.astype(jnp.bfloat16), tuple(ws), tuple(ss), block_m=bs.block_m,
                                           block_n=bs.block_n, block_k=bs.block_k, k_splits=bs.k_splits,
                                           num_warps=bs.num_warps, num_stages=bs.num_stages, decode=bs.decode,
-                                          interpret=interpret)
+                                          interpret=interpret, groups=groups)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)
@@ -164,3 +167,37 @@ def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ..
     if x.ndim > 1:
         return split_batch(local, args, (True,) + (False,) * (2 * n_w), "fp8 linear")
     return local(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
+def grouped(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implementation = "auto",
+            interpret: bool = False, block_sizes: BlockSizes | None = None) -> jax.Array:
+    """Block-diagonal matmul (the attention's `wo_a`, SPEC §5.11): x bf16 [..., G, K], w e4m3
+    [G*R, K], s e8m0 [G*R/32, ceil(K/32)] -> bf16 [..., G, R], out[..., g, :] = x[..., g, :] @
+    dequant(w)[g*R:(g+1)*R]^T with fp32 accumulation and one bf16 rounding. x is used as given
+    (no activation quantiser). The kernel (one launch, `groups`=G) for up to `max_rows` rows,
+    else the reference (`reference.grouped`: XLA widens the matrix, then one einsum)."""
+    bs = block_sizes or BlockSizes()
+    g, k = x.shape[-2:]
+    n = w.shape[0]
+    if x.ndim < 2 or w.ndim != 2 or w.dtype != jnp.float8_e4m3fn or w.shape[1] != k or n % g:
+        raise ValueError(f"fp8_matmul.grouped: x [..., G, K] and e4m3 w [G*R, K], got {x.shape=} {w.shape=} "
+                         f"{w.dtype=}")
+    want = (-(-n // kernel_gpu.QBLOCK), -(-k // kernel_gpu.QBLOCK))
+    if s.shape != want:
+        raise ValueError(f"fp8_matmul.grouped: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
+    if x.size == 0 or not gpu_kernel(implementation, interpret, "fp8_matmul"):
+        return _ref.grouped(x, w, s)
+
+    def local(x, w, s):  # per data shard on a mesh (split_batch)
+        rows = math.prod(x.shape[:-2])
+        out = None
+        if rows <= bs.max_rows:
+            out = _kernel_or_none(x.reshape(rows, g * k), (w,), (s,), interpret, bs, groups=g)
+        if out is None:
+            return _ref.grouped(x, w, s)
+        return out[0].reshape(*x.shape[:-2], g, n // g)
+
+    if x.ndim > 2:
+        return split_batch(local, (x, w, s), (True, False, False), "fp8 grouped")
+    return local(x, w, s)

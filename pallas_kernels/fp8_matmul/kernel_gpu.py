@@ -18,6 +18,10 @@ fp32 value from the code's bits (exponent and mantissa moved into place and rebi
 subnormal codes through an int -> float conversion). Both are exact; "bits" is the fallback for
 a toolchain without the cast. NaN codes (0x7f, 0xff) become NaN in both.
 
+Grouped ("groups" = G > 1, the attention's block-diagonal `wo_a`): x [M, G*K] holds G inputs
+side by side and the weight's N rows form G equal groups; output column n belongs to group
+n // (N/G) and reads only its group's K columns of x (block_n divides N/G).
+
 Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
 (widen to bf16, one dot) only in the order the fp32 products are added.
 """
@@ -49,8 +53,9 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
-            split: bool, col_blocks: tuple[int, ...]):
-    # x_ref [M, K] bf16; then per weight t: w_ref [N_t, K] e4m3 ("native") or int8 ("bits"), then
+            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int):
+    # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K);
+    # then per weight t: w_ref [N_t, K] e4m3 ("native") or int8 ("bits"), then
     # s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16 or [splits, M, N_t] fp32 when split.
     # Column block j of the grid belongs to the weight whose range of col_blocks holds it.
     n_w = len(col_blocks)
@@ -62,9 +67,12 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
     dims = (((1,), (1,)), ((), ()))
 
     def one_block(w_ref, s_ref, o_ref, n0):
+        x0 = 0 if group_cols is None else (n0 // group_cols) * k
+
         def body(step, acc):
             kb = ks * k_steps + step
-            xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(kb * block_k, block_k)], mask=rows < m, other=0.0)
+            xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(x0 + kb * block_k, block_k)], mask=rows < m,
+                            other=0.0)
             wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
             sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
             sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
@@ -91,26 +99,32 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
         first += blocks
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, **tiles) -> jax.Array:
-    """x bf16 [M, K] (act-quantised rows); w e4m3 [N, K]; s e8m0 (or uint8) [N/32, K/32]
-    -> bf16 [M, N] when k_splits == 1, else fp32 partial sums [k_splits, M, N] (the caller adds
-    them in split order). `tiles`: as `fp8_matmul_many`.
+def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, groups: int = 1, **tiles) -> jax.Array:
+    """x bf16 [M, K] (act-quantised rows; [M, G*K] with `groups` G, module docstring); w e4m3
+    [N, K]; s e8m0 (or uint8) [N/32, K/32] -> bf16 [M, N] when k_splits == 1, else fp32 partial
+    sums [k_splits, M, N] (the caller adds them in split order). `tiles`: as `fp8_matmul_many`.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
-    return fp8_matmul_many(x, (w,), (s,), **tiles)[0]
+    return fp8_matmul_many(x, (w,), (s,), groups=groups, **tiles)[0]
 
 
 def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
                     block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
-                    interpret: bool) -> tuple[jax.Array, ...]:
+                    interpret: bool, groups: int = 1) -> tuple[jax.Array, ...]:
     """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
     ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
     it. The grid's column blocks run through the matrices in order; every output column is
     computed by the same program code, K steps and split as a launch of its matrix alone with
     these tiles (bit-identical results), and the weights stream in one launch instead of several.
 
+    `groups` G > 1: one matrix, x [M, G*K], output column n reading group n // (N/G) of x.
+
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
-    m, k = x.shape
+    m = x.shape[0]
+    k = ws[0].shape[-1] if ws else x.shape[1]
+    if groups < 1 or (groups > 1 and len(ws) != 1) or x.shape[1] != groups * k:
+        raise NotImplementedError(f"x [M, groups * K] with groups >= 1 (one matrix when > 1), got {x.shape=} "
+                                  f"{groups=} K={k} for {len(ws)} matrices")
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
     if not ws or len(ws) != len(ss):
@@ -127,11 +141,12 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
         n = w.shape[0]
         if w.dtype != jnp.float8_e4m3fn or w.ndim != 2 or w.shape[1] != k:
             raise NotImplementedError(f"e4m3 weights [N, {k}] only, got {w.shape=} {w.dtype=}")
-        if not is_pow2(block_n) or block_n < QBLOCK or n % block_n:
-            raise NotImplementedError(f"block_n must be a power of 2 >= {QBLOCK} dividing {n=}, got {block_n=}")
+        if not is_pow2(block_n) or block_n < QBLOCK or n % groups or (n // groups) % block_n:
+            raise NotImplementedError(f"block_n must be a power of 2 >= {QBLOCK} dividing {n=} / {groups=}, "
+                                      f"got {block_n=}")
         if s.shape != (n // QBLOCK, k // QBLOCK):
             raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
-        if max(n * k, m * max(k, n) * k_splits) >= 2**31:
+        if max(n * k, m * max(groups * k, n) * k_splits) >= 2**31:
             raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
     smem = num_stages * (block_m * block_k * 2 + block_n * block_k + (block_n // QBLOCK) * (block_k // QBLOCK))
     if smem > SMEM_LIMIT:
@@ -143,7 +158,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     split = k_splits > 1
     col_blocks = tuple(w.shape[0] // block_n for w in ws)
     kernel = functools.partial(_kernel, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
-                               k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks)
+                               k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks,
+                               group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
@@ -151,7 +167,7 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(m, block_m), sum(col_blocks), k_splits),
-        in_specs=[whole((m, k))] + [whole(w.shape) for w in ws] + [whole(s.shape) for s in ss],
+        in_specs=[whole(x.shape)] + [whole(w.shape) for w in ws] + [whole(s.shape) for s in ss],
         out_specs=[whole(o.shape) for o in out_shape],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -23,3 +23,12 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
     y = jax.lax.dot_general(x.astype(jnp.bfloat16), wd, (((1,), (1,)), ((), ())),
                             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return to_bf16(y)
+
+
+def grouped(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
+    """x bf16 [..., G, K] (not quantised), w e4m3 [G*R, K], s e8m0 [G*R/32, ceil(K/32)] -> bf16
+    [..., G, R]: group g of x times rows [g*R, (g+1)*R) of the widened matrix (block-diagonal),
+    one bf16 einsum with fp32 accumulation (bf16 x bf16 products are exact in fp32), one rounding."""
+    g = x.shape[-2]
+    wd = quant.dequant_fp8_weight(w, s, jnp.bfloat16).reshape(g, w.shape[0] // g, w.shape[1])
+    return to_bf16(jnp.einsum("...gd,grd->...gr", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32))
