@@ -202,6 +202,16 @@ def test_manifest_records_every_param_with_its_dtype_shape_and_spec(tiny_convert
     kinds = {g["name"]: g["kind"] for g in manifest["groups"]}
     assert kinds["layers.1.engram.embed"] == "table" and kinds["layers.1"] == "orbax"
     assert manifest["engram_rows_multiple"] == 1  # one device: nothing to pad
+    assert params["layers.2.attn.wo_a.weight"]["how"] == params["layers.2.attn.wo_a.scale"]["how"] == "copy"
+
+
+def test_an_output_of_format_1_is_refused_with_a_request_to_convert_again(tiny_converted, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    manifest = json.loads((tiny_converted / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "version": 1}))
+    with pytest.raises(ConvertedCheckpointError, match="version 1; this reader understands .* version 2 .*dsv41-convert"):
+        read_manifest(old)
 
 
 # --------------------------------------------------------------------- Engram row padding
