@@ -127,10 +127,11 @@ def test_engram_tables_are_planned_split_as_the_converter_pads_them(released):
 
 def test_verdicts_for_a_few_meshes(no_engram, released):
     eight = P.memory_plan(no_engram, "expert=8", T64K, prefill_tokens=2048)
-    # 36.1 GB of experts + 10.9 GB replicated (the head in bf16) + cache, + 2.1 GB transient
+    # 36.1 GB of experts + 9.6 GB replicated (the head in bf16; wo_a in fp8, 1.4 GB less than
+    # the reference's bf16 copy) + cache, + 2.1 GB transient
     # (2048-token chunks: a compressed layer's attention 1.95 GB; the indexer scoring 64k rows
     # works in 1 GiB key blocks): one H200 or v5p, not a v6e
-    assert 47e9 < eight.resident_per_device < 47.5e9 and 2.1e9 < eight.transient_per_device < 2.2e9
+    assert 45.8e9 < eight.resident_per_device < 46e9 and 2.1e9 < eight.transient_per_device < 2.2e9
     assert [eight.fits(c) for c in P.CHIPS] == [True, True, False]
     # a 64k prompt in one prefill call: 62.3 GB of attention working set + 5.4 GB of hc stream;
     # it fits an H200 beside the weights, not a v5p

@@ -97,10 +97,11 @@ def test_partition_specs_on_fake_device_meshes_match_the_pinned_golden_files():
 def test_golden_layouts_put_experts_on_the_expert_axis_and_replicate_attention():
     # reads the pinned files themselves, so a regenerated file with a broken layout fails here
     specs = json.loads(_golden_path("released", "expert=8,data=1").read_text())
-    assert len(specs) == 1458
+    assert len(specs) == 1498  # 40 layers: wo_a.scale beside wo_a.weight in each
     assert specs["layers.7.ffn.experts.w2.weight"] == ["expert", None, None]
     assert specs["layers.7.ffn.experts.w2.scale"] == ["expert", None, None]
     assert specs["layers.7.attn.wq_b.weight"] == [None, None]
+    assert specs["layers.7.attn.wo_a.scale"] == specs["layers.7.attn.wo_a.weight"] == [None, None]
     assert specs["head.weight"] == [None, None]
     # table 0 (384,006,168 rows) splits 8 ways; table 1 (2 x prime rows) cannot and stays whole
     assert specs["layers.1.engram.embed.weight"] == [["expert", "data", "tensor"], None]
