@@ -67,11 +67,16 @@ def parse_variant(text: str) -> api.BlockSizes:
     return api.BlockSizes(**kw)
 
 
-def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: int = 8, reps: int = 10) -> list[Row]:
+def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: int = 8, reps: int = 10,
+             only: str = "") -> list[Row]:
+    """Every projection of `SHAPES`, the `FUSED` pairs and the grouped wo_a at m rows; `only`: a
+    substring the timed names must contain (then no "layer" total)."""
     out = []
     totals: dict[str, float] = {}
     total_bytes = 0.0
     for name, (k, n) in SHAPES.items():
+        if only not in name:
+            continue
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16) * 3
         ws = [weights(k, n, 100 * i + 7) for i in range(inner)]
         nbytes = linear_bytes(m, k, n)
@@ -99,17 +104,19 @@ def rows_for(m: int, copy_bw: float, decodes=("native",), variants=(), inner: in
                 out.append(Row("fp8 linear " + name, f"M={m}", label, float("nan"), float("nan"), nbytes, 0,
                                note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
             print(_fmt(out[-1]), flush=True)
-    for label, t in totals.items():
+    for label, t in totals.items() if not only else ():
         out.append(Row("fp8 linear layer (8 projections)", f"M={m}", label, t * 1e6, t * 1e6, total_bytes,
                        total_bytes / t / copy_bw))
         print(_fmt(out[-1]), flush=True)
-    out += fused_rows(m, copy_bw, inner=inner, reps=reps)
-    out += grouped_rows(m, copy_bw, inner=inner, reps=reps)
+    out += fused_rows(m, copy_bw, inner=inner, reps=reps, only=only)
+    if only in "attn.wo_a (grouped)":
+        out += grouped_rows(m, copy_bw, variants=variants, inner=inner, reps=reps)
     return out
 
 
-def grouped_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10) -> list[Row]:
-    """wo_a: x bf16 [m, G, K] times the block-diagonal [N, K] matrix, three ways (module doc)."""
+def grouped_rows(m: int, copy_bw: float, variants=(), inner: int = 8, reps: int = 10) -> list[Row]:
+    """wo_a: x bf16 [m, G, K] times the block-diagonal [N, K] matrix, three ways (module doc), and
+    the kernel with each of `variants`' tiles."""
     from pallas_kernels.fp8_matmul import reference as ref
 
     g, k, n = WO_A
@@ -129,6 +136,11 @@ def grouped_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10) -> list
               lambda i: (x, *ws[i % inner]), fp8_bytes),
              ("xla, fp8 matrix", ref.grouped, lambda i: (x, *ws[i % inner]), fp8_bytes),
              ("xla, bf16 matrix", bf16_einsum, lambda i: (x, wide[i % inner]), bf16_bytes))
+    for v in variants:
+        vbs = dataclasses.replace(parse_variant(v), max_rows=1 << 30)
+        impls += ((f"pallas {v}", lambda x, w, s, vbs=vbs: api.grouped(x, w, s, implementation="pallas",
+                                                                       block_sizes=vbs),
+                   lambda i: (x, *ws[i % inner]), fp8_bytes),)
     for label, fn, args, nbytes in impls:
         sec, dev = _time(fn, args, inner=inner, reps=reps)
         got = fn(*args(0))
@@ -140,11 +152,13 @@ def grouped_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10) -> list
     return out
 
 
-def fused_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10) -> list[Row]:
+def fused_rows(m: int, copy_bw: float, inner: int = 8, reps: int = 10, only: str = "") -> list[Row]:
     """`FUSED` pairs in one launch (`api.linear_many`, default tiles) against one launch each."""
     out = []
     bs = api.BlockSizes(max_rows=1 << 30)
     for name, members in FUSED.items():
+        if only not in name:
+            continue
         k = SHAPES[members[0]][0]
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16) * 3
         mats = [[weights(k, SHAPES[p][1], 100 * i + 7 + j) for j, p in enumerate(members)] for i in range(inner)]
@@ -172,13 +186,14 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,8,64,256,1024", help="activation rows M (comma list)")
     p.add_argument("--decodes", default="native,bits", help="kernel decodes timed (comma list)")
     p.add_argument("--variants", default="", help="kernel tiles also timed, comma list of bn=64/bk=256/w=4/st=3")
+    p.add_argument("--only", default="", help="time only the projections whose name contains this")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     dev, copy_bw = start_run()
     rows = []
     for m in (int(v) for v in a.rows.split(",")):
         rows += rows_for(m, copy_bw, decodes=tuple(d for d in a.decodes.split(",") if d),
-                         variants=tuple(v for v in a.variants.split(",") if v))
+                         variants=tuple(v for v in a.variants.split(",") if v), only=a.only)
     if a.json:
         write_json(a.json, dev.device_kind, copy_bw, rows)
     return 0
