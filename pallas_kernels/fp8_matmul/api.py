@@ -179,6 +179,10 @@ def grouped(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Impleme
     else the reference (`reference.grouped`: XLA widens the matrix, then one einsum)."""
     bs = block_sizes or BlockSizes()
     g, k = x.shape[-2:]
+    if bs.k_splits is None and math.prod(x.shape[:-2]) > 16:
+        # measured on the H200 at 64 rows (benchmarks/README.md, fourteenth run): one K split
+        # 27.5 µs, the 264-program default (4 splits) 35.3
+        bs = dataclasses.replace(bs, k_splits=1)
     n = w.shape[0]
     if x.ndim < 2 or w.ndim != 2 or w.dtype != jnp.float8_e4m3fn or w.shape[1] != k or n % g:
         raise ValueError(f"fp8_matmul.grouped: x [..., G, K] and e4m3 w [G*R, K], got {x.shape=} {w.shape=} "
