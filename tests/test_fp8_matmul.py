@@ -211,6 +211,18 @@ def test_grouped_is_block_diagonal_against_the_float64_oracle(implementation, in
     assert np.mean(ulps(out, base) == 0) >= 0.97
 
 
+def test_grouped_takes_one_k_split_above_16_rows(monkeypatch):
+    """The grouped kernel's default K split (measured on the H200: one split above 16 rows)."""
+    seen = []
+    original = kernel_gpu.fp8_matmul_many
+    monkeypatch.setattr(kernel_gpu, "fp8_matmul_many",
+                        lambda *a, **kw: seen.append(kw["k_splits"]) or original(*a, **kw))
+    for rows in (16, 17):
+        x, w, s, _ = _grouped_inputs(np.random.default_rng(rows), (rows,), 2, 64, 1024)
+        api.grouped(x, w, s, implementation="pallas", interpret=True)
+    assert seen[0] > 1 and seen[1] == 1, seen
+
+
 def test_grouped_refuses_bad_shapes_and_falls_back_when_groups_cannot_be_tiled(caplog):
     x, w, s, _ = _grouped_inputs(np.random.default_rng(9), (2,), 2, 48, 128)  # R = 48: no block divides it
     with caplog.at_level(logging.WARNING):
@@ -221,6 +233,8 @@ def test_grouped_refuses_bad_shapes_and_falls_back_when_groups_cannot_be_tiled(c
         api.grouped(x[..., :64], w, s, implementation="reference")
     with pytest.raises(ValueError, match="s must be e8m0"):
         api.grouped(x, w, s[:1], implementation="reference")
+    with pytest.raises(ValueError, match=r"x \[\.\.\., G, K\]"):
+        api.grouped(x[0, 0], w, s, implementation="reference")
     with pytest.raises(NotImplementedError, match="groups"):
         kernel_gpu.fp8_matmul(x.reshape(2, -1)[:, :128], w, s, groups=2, block_m=16, block_n=32, block_k=64,
                               k_splits=1, num_warps=4, num_stages=3, decode="native", interpret=True)

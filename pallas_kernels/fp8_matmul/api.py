@@ -178,13 +178,11 @@ def grouped(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Impleme
     (no activation quantiser). The kernel (one launch, `groups`=G) for up to `max_rows` rows,
     else the reference (`reference.grouped`: XLA widens the matrix, then one einsum)."""
     bs = block_sizes or BlockSizes()
+    if x.ndim < 2 or w.ndim != 2:
+        raise ValueError(f"fp8_matmul.grouped: x [..., G, K] and e4m3 w [G*R, K], got {x.shape=} {w.shape=}")
     g, k = x.shape[-2:]
-    if bs.k_splits is None and math.prod(x.shape[:-2]) > 16:
-        # measured on the H200 at 64 rows (benchmarks/README.md, fourteenth run): one K split
-        # 27.5 µs, the 264-program default (4 splits) 35.3
-        bs = dataclasses.replace(bs, k_splits=1)
     n = w.shape[0]
-    if x.ndim < 2 or w.ndim != 2 or w.dtype != jnp.float8_e4m3fn or w.shape[1] != k or n % g:
+    if w.dtype != jnp.float8_e4m3fn or w.shape[1] != k or n % g:
         raise ValueError(f"fp8_matmul.grouped: x [..., G, K] and e4m3 w [G*R, K], got {x.shape=} {w.shape=} "
                          f"{w.dtype=}")
     want = (-(-n // kernel_gpu.QBLOCK), -(-k // kernel_gpu.QBLOCK))
@@ -195,9 +193,14 @@ def grouped(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Impleme
 
     def local(x, w, s):  # per data shard on a mesh (split_batch)
         rows = math.prod(x.shape[:-2])
+        tiles = bs
+        if bs.k_splits is None and rows > 16:
+            # measured on the H200 at 64 rows (benchmarks/README.md, fourteenth run): one K split
+            # 27.5 µs, the 264-program default (4 splits) 35.3
+            tiles = dataclasses.replace(bs, k_splits=1)
         out = None
         if rows <= bs.max_rows:
-            out = _kernel_or_none(x.reshape(rows, g * k), (w,), (s,), interpret, bs, groups=g)
+            out = _kernel_or_none(x.reshape(rows, g * k), (w,), (s,), interpret, tiles, groups=g)
         if out is None:
             return _ref.grouped(x, w, s)
         return out[0].reshape(*x.shape[:-2], g, n // g)
