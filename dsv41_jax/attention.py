@@ -35,6 +35,7 @@ from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_linears, apply_rope, linear_kernels, rope_angles, rope_freqs
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels.fp8_matmul import api as fp8_matmul
+from pallas_kernels.fp8_matmul import reference as fp8_reference
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
 
@@ -589,9 +590,8 @@ class Attention(nnx.Module):
         if self.wo_a.dtype == "fp8":
             y = fp8_matmul.grouped(o, self.wo_a.weight[...], self.wo_a.scale[...],
                                    implementation=self.wo_a.kernels, interpret=self.wo_a.kernels_interpret)
-        else:
-            wo_a = self.wo_a.weight[...].reshape(self.n_groups, self.o_lora_rank, -1)
-            y = to_bf16(jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=_F32))
+        else:  # a dtype="bf16" model
+            y = fp8_reference.grouped_dense(o, self.wo_a.weight[...])
         return self.wo_b(y.reshape(b, s, self.n_groups * self.o_lora_rank))
 
     def compressed_prefill(self, x: jax.Array, qi: jax.Array | None, cos: jax.Array, sin: jax.Array,

@@ -82,12 +82,16 @@ def _validate(x, w, s):
         raise ValueError(f"fp8_matmul: x must be [rows, K], got {x.shape=}")
     if w.ndim != 2 or w.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_matmul: w must be e4m3 [N, K], got {w.shape=} {w.dtype=}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"fp8_matmul: x has K={x.shape[1]}, w has K={w.shape[1]}")
+    _validate_scale("fp8_matmul", w, s)
+
+
+def _validate_scale(name, w, s):
     n, k = w.shape
-    if x.shape[1] != k:
-        raise ValueError(f"fp8_matmul: x has K={x.shape[1]}, w has K={k}")
     want = (-(-n // kernel_gpu.QBLOCK), -(-k // kernel_gpu.QBLOCK))
     if s.shape != want:
-        raise ValueError(f"fp8_matmul: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
+        raise ValueError(f"{name}: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
 def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1):
@@ -178,16 +182,13 @@ def grouped(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Impleme
     (no activation quantiser). The kernel (one launch, `groups`=G) for up to `max_rows` rows,
     else the reference (`reference.grouped`: XLA widens the matrix, then one einsum)."""
     bs = block_sizes or BlockSizes()
-    if x.ndim < 2 or w.ndim != 2:
-        raise ValueError(f"fp8_matmul.grouped: x [..., G, K] and e4m3 w [G*R, K], got {x.shape=} {w.shape=}")
-    g, k = x.shape[-2:]
-    n = w.shape[0]
-    if w.dtype != jnp.float8_e4m3fn or w.shape[1] != k or n % g:
+    if x.ndim < 2 or w.ndim != 2 or w.dtype != jnp.float8_e4m3fn or w.shape[1] != x.shape[-1] \
+            or w.shape[0] % x.shape[-2]:
         raise ValueError(f"fp8_matmul.grouped: x [..., G, K] and e4m3 w [G*R, K], got {x.shape=} {w.shape=} "
                          f"{w.dtype=}")
-    want = (-(-n // kernel_gpu.QBLOCK), -(-k // kernel_gpu.QBLOCK))
-    if s.shape != want:
-        raise ValueError(f"fp8_matmul.grouped: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
+    _validate_scale("fp8_matmul.grouped", w, s)
+    g, k = x.shape[-2:]
+    n = w.shape[0]
     if x.size == 0 or not gpu_kernel(implementation, interpret, "fp8_matmul"):
         return _ref.grouped(x, w, s)
 

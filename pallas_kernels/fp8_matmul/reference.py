@@ -27,8 +27,14 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
 
 def grouped(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
     """x bf16 [..., G, K] (not quantised), w e4m3 [G*R, K], s e8m0 [G*R/32, ceil(K/32)] -> bf16
-    [..., G, R]: group g of x times rows [g*R, (g+1)*R) of the widened matrix (block-diagonal),
-    one bf16 einsum with fp32 accumulation (bf16 x bf16 products are exact in fp32), one rounding."""
+    [..., G, R]: `grouped_dense` of the widened matrix."""
+    return grouped_dense(x, quant.dequant_fp8_weight(w, s, jnp.bfloat16))
+
+
+def grouped_dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x bf16 [..., G, K], w bf16 [G*R, K] -> bf16 [..., G, R]: group g of x times rows
+    [g*R, (g+1)*R) of w (block-diagonal), one bf16 einsum with fp32 accumulation (bf16 x bf16
+    products are exact in fp32), one rounding."""
     g = x.shape[-2]
-    wd = quant.dequant_fp8_weight(w, s, jnp.bfloat16).reshape(g, w.shape[0] // g, w.shape[1])
-    return to_bf16(jnp.einsum("...gd,grd->...gr", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32))
+    wg = w.reshape(g, w.shape[0] // g, w.shape[1])
+    return to_bf16(jnp.einsum("...gd,grd->...gr", x.astype(jnp.bfloat16), wg, preferred_element_type=jnp.float32))
