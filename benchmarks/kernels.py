@@ -139,22 +139,41 @@ def sinkhorn_rows(copy_bw: float, tokens=(1, 64, 4096)) -> list[Row]:
             return (jax.random.normal(jax.random.key(200 + i), (t, 24), jnp.float32) * 2, scale, base)
         split_bytes = t * 24 * 4 * 2 + 27 * 4
         for impl, bs in (("reference", None), ("pallas", None),
-                         ("pallas", sinkhorn_api.BlockSizes(division="div_rn"))):
+                         ("pallas", sinkhorn_api.BlockSizes(division="rcp_fma")),
+                         ("pallas", sinkhorn_api.BlockSizes(lanes=False)),
+                         ("pallas", sinkhorn_api.BlockSizes(lanes=True)),
+                         ("pallas", sinkhorn_api.BlockSizes(lanes=True, lane_tokens=2)),
+                         ("pallas", sinkhorn_api.BlockSizes(lanes=True, lane_tokens=32))):
             f = lambda m, s, b, impl=impl, bs=bs: sinkhorn_api.hc_split_sinkhorn(
                 m, s, b, hc=HC, iters=ITERS, eps=1e-6, implementation=impl, block_sizes=bs)
             sec, dev = _time(f, make_m, inner=inner, reps=30)
             err = ""
+            got = [np.asarray(v) for v in jax.jit(f)(*make_m(0))]
+            if impl == "pallas" and bs is None:
+                first = got
+            elif impl == "pallas":  # every kernel variant computes the same bits
+                same = all(np.array_equal(g.view(np.uint32), w.view(np.uint32)) for g, w in zip(got, first))
+                err = "bit-identical to the default" if same else "DIFFERS from the default"
             if t == 4096:
                 m, s, b = make_m(0)
                 got = jax.jit(f)(m, s, b)
                 want = _sinkhorn_f64(np.asarray(m), np.asarray(s), np.asarray(b))
                 ulps = [float(np.max(np.abs(np.asarray(g, np.float64) - w)
                                      / np.spacing(np.abs(w).astype(np.float32)))) for g, w in zip(got, want)]
-                err = "pre/post/comb max f32 ulps vs f64: " + "/".join(f"{u:.0f}" for u in ulps)
-            rows.append(Row("sinkhorn split only", f"t={t}", impl if bs is None else f"{impl} (division=div_rn)",
+                err = ("; ".join(v for v in (err, "pre/post/comb max f32 ulps vs f64: ") if v)
+                       + "/".join(f"{u:.0f}" for u in ulps))
+            label = impl if bs is None else f"{impl} ({_sinkhorn_variant(bs)})"
+            rows.append(Row("sinkhorn split only", f"t={t}", label,
                             sec * 1e6, dev * 1e6, split_bytes,
                             split_bytes / _best(sec, dev) / copy_bw, err))
     return rows
+
+
+def _sinkhorn_variant(bs) -> str:
+    """The BlockSizes fields that differ from the defaults ("default" if none)."""
+    d = sinkhorn_api.BlockSizes()
+    return ", ".join(f"{f}={getattr(bs, f)}" for f in ("division", "lanes", "lane_tokens")
+                     if getattr(bs, f) != getattr(d, f)) or "default"
 
 
 def _sinkhorn_f64(m, s, b, eps=1e-6):

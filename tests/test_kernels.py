@@ -147,6 +147,34 @@ class TestSinkhornGpuInterpret(SinkhornBase):
     SINKHORN_CASES = ("odd_tokens", "more_than_one_block", "hc2_three_iters")
 
 
+class TestSinkhornGpuTokenLayoutInterpret(SinkhornBase):
+    implementation, target, interpret = "pallas", "gpu", True
+    block_sizes = sinkhorn_api.BlockSizes(lanes=False)
+    SINKHORN_CASES = ("odd_tokens", "hc2_three_iters")
+    extras = False
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_sinkhorn_kernel_lowers_to_triton_for_cuda(lanes):
+    """The Pallas -> Triton lowering of both layouts runs without a GPU (cross-platform lowering)."""
+    from pallas_kernels.sinkhorn import kernel_gpu
+
+    m, scale, base, hc, iters = (jnp.asarray(v) if not isinstance(v, int) else v for v in sinkhorn_inputs("odd_tokens"))
+    f = lambda m, s, b, r: kernel_gpu.hc_split_sinkhorn(m, s, b, r, hc=hc, iters=iters, eps=HC_EPS, block_tokens=8,
+                                                         num_warps=4, division="rcp_fma", interpret=False, lanes=lanes)
+    rms = jnp.ones(m.shape[0], jnp.float32)
+    assert "hc_split_sinkhorn" in jax.jit(f).trace(m, scale, base, rms).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_sinkhorn_lanes_need_a_power_of_two_hc():
+    from pallas_kernels.sinkhorn import kernel_gpu
+
+    m = jnp.zeros((2, 15), jnp.float32)  # hc 3
+    with pytest.raises(NotImplementedError, match="power of 2"):
+        kernel_gpu.hc_split_sinkhorn(m, jnp.ones(3), jnp.zeros(15), None, hc=3, iters=2, eps=HC_EPS, block_tokens=8,
+                                     num_warps=4, division="rcp_fma", interpret=True, lanes=True)
+
+
 class TestSinkhornTpuInterpret(SinkhornBase):
     implementation, target, interpret = "pallas", "tpu", True
     SINKHORN_CASES = ("odd_tokens", "single_iteration")
@@ -161,9 +189,9 @@ class TestSinkhornGpu(SinkhornBase):
 
 @pytest.mark.gpu
 @needs_gpu
-class TestSinkhornGpuDivRn(SinkhornBase):
+class TestSinkhornGpuRcpFma(SinkhornBase):
     implementation, target = "pallas", "gpu"
-    block_sizes = sinkhorn_api.BlockSizes(division="div_rn")
+    block_sizes = sinkhorn_api.BlockSizes(division="rcp_fma")
     extras = False
 
 
@@ -465,12 +493,14 @@ def test_unsupported_attention_shape_falls_back_loudly_to_the_reference(caplog):
                                   np.asarray(ref(q, kv, sink, idx, 0.1, accumulate="f32"), np.float32))
 
 
-def test_unsupported_sinkhorn_tile_falls_back_loudly_to_the_reference(caplog):
+@pytest.mark.parametrize("bs", [sinkhorn_api.BlockSizes(block_tokens=96, lanes=False),
+                                sinkhorn_api.BlockSizes(lane_tokens=6)])
+def test_unsupported_sinkhorn_tile_falls_back_loudly_to_the_reference(caplog, bs):
     m, scale, base, hc, iters = sinkhorn_inputs("odd_tokens")
     with caplog.at_level(logging.WARNING):
         got = sinkhorn_api.hc_split_sinkhorn(jnp.asarray(m), scale, base, hc=hc, iters=iters, eps=HC_EPS,
                                              implementation="pallas", target="gpu", interpret=True,
-                                             block_sizes=sinkhorn_api.BlockSizes(block_tokens=96))
+                                             block_sizes=bs)
     assert "block_tokens must be a power of 2" in caplog.text and "(7, 24)" in caplog.text
     want = sinkhorn_api.hc_split_sinkhorn(jnp.asarray(m), scale, base, hc=hc, iters=iters, eps=HC_EPS,
                                           implementation="reference")

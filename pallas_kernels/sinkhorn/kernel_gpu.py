@@ -1,10 +1,16 @@
 """Pallas GPU (Triton lowering) kernel for the hyper-connection Sinkhorn split (SPEC §4.3).
 
-Layout: tokens run across the threads of a program (one token per lane), so a program handles
-`block_tokens` tokens and every per-token quantity is a [block_tokens] vector. The 24 mixes of a
-token are read as 24 strided column loads of the row-major [t, 24] array; the 4x4 comb matrix is 16
-such vectors, so the row and column sums of the Sinkhorn iterations are plain vector additions with
-no cross-lane traffic. One launch, no transposes: inputs and outputs keep the caller's layout.
+Two layouts (`lanes`), the same arithmetic op for op, so the same bits:
+  * tokens (`lanes=False`): one token per lane, so a program handles `block_tokens` tokens and
+    every per-token quantity is a [block_tokens] vector; the 4x4 comb matrix is 16 such vectors
+    and the row and column sums are plain vector additions. One thread runs a token's 40
+    dependent normalisations alone: about 10 us at any token count on an H200, the latency of
+    that serial chain (benchmarks/README.md, eleventh run).
+  * entries (`lanes=True`): one comb entry per lane, a program's comb a [block_tokens, hc, hc]
+    tensor, so the 16 divisions of a normalisation run side by side. A row (column) sum is the
+    index-order sum of the row's entries, each taken to every lane of the row by a masked sum
+    over the row (one nonzero term: exact), then added in index order as the reference adds.
+One launch either way, no transposes: inputs and outputs keep the caller's layout.
 
 Numerics follow the reference op for op: sigmoid as 1 / (1 + exp(-x)), exp through libdevice,
 sums over 4 in index order, and correctly rounded division (Triton's own f32 division is the
@@ -48,8 +54,8 @@ class _Divider:
 
     def __call__(self, x: jax.Array, prepared) -> jax.Array:
         s, r = prepared
-        if self.interpret:
-            return x / s
+        if self.interpret:  # the barrier keeps XLA from dividing by a broadcast divisor's reciprocal
+            return x / jax.lax.optimization_barrier(s)
         if r is None:
             return _asm("div.rn.f32 $0, $1, $2;", x, s)
         return _asm("{ .reg .f32 qq, ee, nn; mul.rn.f32 qq, $1, $3; neg.f32 nn, $2; "
@@ -135,12 +141,77 @@ def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, 
         plgpu.store(comb_ref.at[tok, k], flat[k], mask=live)
 
 
+def _lanes_kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, n_tokens: int,
+                  block_tokens: int, has_rms: bool, division: str, interpret: bool):
+    # as `_kernel`; every quantity a [block_tokens, hc] or [block_tokens, hc, hc] tensor
+    if has_rms:
+        rms_ref, pre_ref, post_ref, comb_ref = rest
+    else:
+        pre_ref, post_ref, comb_ref = rest
+    bt = block_tokens
+    tok2 = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, hc), 0)
+    col2 = jax.lax.broadcasted_iota(jnp.int32, (bt, hc), 1)
+    tok3 = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, hc, hc), 0)
+    row3 = jax.lax.broadcasted_iota(jnp.int32, (bt, hc, hc), 1)  # i: source copy
+    col3 = jax.lax.broadcasted_iota(jnp.int32, (bt, hc, hc), 2)  # j
+    live2, live3 = tok2 < n_tokens, tok3 < n_tokens
+    div = _Divider(division, interpret)
+    s0, s1, s2 = scale_ref[0], scale_ref[1], scale_ref[2]
+
+    def logits(offset, scale, tok, col, live):
+        x = plgpu.load(m_ref.at[tok, offset + col], mask=live, other=0.0)
+        if has_rms:
+            x = x * plgpu.load(rms_ref.at[tok], mask=live, other=0.0)
+        return x * scale + plgpu.load(base_ref.at[offset + col])
+
+    one2 = jnp.full((bt, hc), 1.0, jnp.float32)
+    z = logits(0, s0, tok2, col2, live2)
+    plgpu.store(pre_ref.at[tok2, col2], div(one2, div.prepare(1.0 + jnp.exp(-z))) + eps, mask=live2)
+    z = logits(hc, s1, tok2, col2, live2)
+    plgpu.store(post_ref.at[tok2, col2], 2.0 * div(one2, div.prepare(1.0 + jnp.exp(-z))), mask=live2)
+
+    c = logits(2 * hc, s2, tok3, row3 * hc + col3, live3)
+    zero = jnp.zeros((bt, hc, hc), jnp.float32)
+
+    def entries(c, axis):
+        """The hc [bt, hc] slices of c along `axis` (2: entry k of each row, 1: of each column),
+        each a masked sum with one nonzero term: exact, and in every lane of its row / column."""
+        idx = col3 if axis == 2 else row3
+        return [jnp.sum(jnp.where(idx == k, c, zero), axis=axis) for k in range(hc)]
+
+    def entry_sum(c, axis):
+        """[bt, hc] sums over `axis` in index order, as the token layout adds."""
+        parts = entries(c, axis)
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def normalise(c, axis, add_eps):
+        s = entry_sum(c, axis)
+        if add_eps:
+            s = s + eps
+        s = jnp.broadcast_to(s[:, :, None] if axis == 2 else s[:, None, :], (bt, hc, hc))
+        return div(c, div.prepare(s))
+
+    parts = entries(c, 2)
+    mx = parts[0]
+    for p in parts[1:]:
+        mx = jnp.maximum(mx, p)
+    c = jnp.exp(c - jnp.broadcast_to(mx[:, :, None], (bt, hc, hc)))
+    c = normalise(c, 2, add_eps=False) + eps
+    c = normalise(c, 1, add_eps=True)
+    c = jax.lax.fori_loop(0, iters - 1, lambda _, c: normalise(normalise(c, 2, True), 1, True), c)
+    plgpu.store(comb_ref.at[tok3, row3 * hc + col3], c, mask=live3)
+
+
 def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, rms: jax.Array | None, *,
                       hc: int, iters: int, eps: float, block_tokens: int, num_warps: int, division: str,
-                      interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      interpret: bool, lanes: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """mixes f32 [t, (2 + hc) * hc]; scale f32 [3]; base f32 [(2 + hc) * hc]; rms f32 [t] or None
     (multiplies the mixes first: the RMS factor of `hc_mixes`, fused) ->
     pre f32 [t, hc], post f32 [t, hc], comb f32 [t, hc * hc] (row-major hc x hc).
+    lanes: one comb entry per lane (module docstring; hc a power of 2), else one token per lane.
 
     Raises NotImplementedError for layouts this kernel does not handle (the caller falls back)."""
     t = mixes.shape[0]
@@ -149,8 +220,10 @@ def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, rms: 
     if t == 0:
         raise NotImplementedError(f"no tokens ({mixes.shape=})")
     _Divider(division, interpret)  # validates the mode
+    if lanes and (hc & (hc - 1) or hc < 2):
+        raise NotImplementedError(f"one comb entry per lane needs hc a power of 2 >= 2 for Triton, got {hc=}")
     has_rms = rms is not None
-    kernel = functools.partial(_kernel, hc=hc, iters=iters, eps=float(eps), n_tokens=t, block_tokens=block_tokens,
+    kernel = functools.partial(_lanes_kernel if lanes else _kernel, hc=hc, iters=iters, eps=float(eps), n_tokens=t, block_tokens=block_tokens,
                                has_rms=has_rms, division=division, interpret=interpret)
     args = (mixes, scale, base) + ((rms,) if has_rms else ())
     out_shape = (jax.ShapeDtypeStruct((t, hc), jnp.float32), jax.ShapeDtypeStruct((t, hc), jnp.float32),
