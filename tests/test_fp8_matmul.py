@@ -67,6 +67,8 @@ def ulps(a, b) -> np.ndarray:
 # name -> (M, N, K, BlockSizes overrides)
 CASES = {
     "one_row": (1, 128, 256, {}),
+    "one_row_tensor_cores": (1, 128, 256, {"one_row": False}),
+    "one_row_k_split": (1, 64, 512, {"k_splits": 2}),
     "odd_rows_k_split": (5, 64, 512, {"k_splits": 2}),
     "rows_across_m_blocks": (37, 96, 256, {"block_m": 16, "block_n": 32}),
     "released_wq_a_one_row": (1, 1280, 5120, {}),
@@ -129,16 +131,17 @@ def test_bit_decode_of_every_e4m3_code():
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # bits, so -0 counts
 
 
-@pytest.mark.parametrize(("decode", "k_splits", "n_w", "groups"),
-                         [("native", 1, 1, 1), ("bits", 1, 1, 1), ("native", 4, 1, 1), ("bits", 4, 1, 1),
-                          ("native", 4, 2, 1), ("native", 2, 1, 4)])
-def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w, groups):
+@pytest.mark.parametrize(("decode", "k_splits", "n_w", "groups", "block_m"),
+                         [("native", 1, 1, 1, 16), ("bits", 1, 1, 1, 16), ("native", 4, 1, 1, 16),
+                          ("bits", 4, 1, 1, 16), ("native", 4, 2, 1, 16), ("native", 2, 1, 4, 16),
+                          ("native", 1, 1, 1, 1), ("native", 4, 2, 1, 1), ("native", 2, 1, 4, 1)])
+def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w, groups, block_m):
     """The Pallas -> Triton lowering runs without a GPU (cross-platform lowering); n_w matrices
-    in one launch, or one grouped matrix."""
-    x, w, s, _, _ = make(np.random.default_rng(0), 8, 256, 2048)
+    in one launch, or one grouped matrix; tensor-core tiles or one row (block_m 1)."""
+    x, w, s, _, _ = make(np.random.default_rng(0), 8 if block_m > 1 else 1, 256, 2048)
     x = jnp.tile(x, (1, groups))
     f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
-        x, (w,) * n_w, (s,) * n_w, block_m=16, block_n=64, block_k=256, k_splits=k_splits, num_warps=4,
+        x, (w,) * n_w, (s,) * n_w, block_m=block_m, block_n=64, block_k=256, k_splits=k_splits, num_warps=4,
         num_stages=3, decode=decode, interpret=False, groups=groups)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
@@ -308,11 +311,13 @@ def test_model_linear_takes_the_kernel_choice():
     assert np.mean(ulps(outs["pallas"], outs["reference"]) == 0) >= 0.97
 
 
-def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
+@pytest.mark.parametrize("rows", [2, 1])
+def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch, rows):
     """Every fp8 projection of the model takes `ModelArgs.kernels`; with kernels="pallas"
-    (interpret) the 2-row golden decode step runs the fp8 kernel and its logits equal the
-    reference path's (measured: bit-identical on the first golden set's first step on CPU; the
-    two differ only in summation order, which at these sizes changes no rounding)."""
+    (interpret) the 2-row golden decode step (and its first row alone: the one-row kernel,
+    block_m 1) runs the fp8 kernel and its logits equal the reference path's (measured:
+    bit-identical on the first golden set's first step on CPU; the two differ only in summation
+    order, which at these sizes changes no rounding)."""
     from conftest import GOLDEN_DIRS
 
     from dsv41_jax import parity
@@ -327,15 +332,15 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch):
     monkeypatch.setattr(kernel_gpu, "fp8_matmul_many", lambda x, ws, *a, **kw: calls.append(
         (x.shape, len(ws), kw.get("groups", 1))) or original(x, ws, *a, **kw))
     jax.clear_caches()
-    cache = parity.teacher_forced_cache(parity.load_model(gs), gs)
+    cache = jax.tree.map(lambda a: a[:rows], parity.teacher_forced_cache(parity.load_model(gs), gs))
 
     def first_step(m):
-        ids = jnp.asarray(gs["decode.input"][0], jnp.int32)
+        ids = jnp.asarray(gs["decode.input"][0], jnp.int32)[:rows]
         logits, _ = m.decode_step(ids, jnp.full(ids.shape, int(gs["decode.start_pos"][0]), jnp.int32), cache)
         return np.asarray(logits, np.float32)
 
     got = first_step(model)
-    assert calls and all(shape[0] <= api.BlockSizes().max_rows for shape, _, _ in calls)
+    assert calls and all(shape[0] == rows for shape, _, _ in calls)
     assert {n for _, n, _ in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
     assert {g for _, _, g in calls} == {1, gs.args.o_groups}  # wo_a: one grouped launch
     want = first_step(parity.load_model(gs))

@@ -43,8 +43,10 @@ Implementation = Literal["auto", "reference", "pallas"]
 class BlockSizes:
     """Tiles of the GPU kernel; None picks a default from the row count.
 
-    block_m: rows per program (power of 2 >= 16). block_n: output columns per program (power of
-    2 >= 32 dividing N). block_k: reduction step (power of 2 >= 32 dividing K).
+    block_m: rows per program (power of 2 >= 16, or 1: one row without tensor cores, kernel_gpu's
+    docstring). block_n: output columns per program (power of 2 >= 32 dividing N). block_k:
+    reduction step (power of 2 >= 32 dividing K).
+    one_row: a single row (M = 1) takes block_m 1 when block_m is not given.
     k_splits: programs sharing one output block's K range (their fp32 partials are then added);
       None picks the fewest that give `target_programs` programs.
     num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
@@ -60,12 +62,13 @@ class BlockSizes:
     decode: str = "native"
     max_rows: int = 64
     target_programs: int = 264  # two per SM of an H100/H200
+    one_row: bool = True
 
     def resolved(self, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes:
         """Tiles for m rows times [n, k] (n a tuple: several matrices in one launch, block_n
         dividing each)."""
         ns = (n,) if isinstance(n, int) else tuple(n)
-        block_m = self.block_m or min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
+        block_m = self.block_m or (1 if m == 1 and self.one_row else min(max(16, 1 << max(m - 1, 0).bit_length()), 64))
         block_n = self.block_n or fit_block(64, math.gcd(*ns), kernel_gpu.QBLOCK)
         block_k = self.block_k or fit_block(256 if block_m <= 64 else 128, k, kernel_gpu.QBLOCK)
         k_splits = self.k_splits

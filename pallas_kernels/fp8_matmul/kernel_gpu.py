@@ -18,6 +18,11 @@ fp32 value from the code's bits (exponent and mantissa moved into place and rebi
 subnormal codes through an int -> float conversion). Both are exact; "bits" is the fallback for
 a toolchain without the cast. NaN codes (0x7f, 0xff) become NaN in both.
 
+One row ("block_m" = 1, a decode step's single token): no tensor-core tile (15 of its 16 rows
+would be padding); each program multiplies the widened, scaled weight tile by the row element by
+element in fp32 (exact products, as the tensor cores form them) and sums each output column's
+products, so the decoded tile never goes through shared memory into the MMA layout.
+
 Grouped ("groups" = G > 1, the attention's block-diagonal `wo_a`): x [M, G*K] holds G inputs
 side by side and the weight's N rows form G equal groups; output column n belongs to group
 n // (N/G) and reads only its group's K columns of x (block_n divides N/G).
@@ -77,6 +82,8 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
             sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
             sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
             wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
+            if block_m == 1:  # one row: exact fp32 products on the CUDA cores, summed per column
+                return acc + jnp.sum((wf * sf) * xb.astype(jnp.float32), axis=1)[None, :]
             wv = (wf * sf).astype(jnp.bfloat16)  # exact
             return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
 
@@ -131,8 +138,9 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
         raise NotImplementedError(f"one scale per weight, got {len(ws)} weights and {len(ss)} scales")
     if decode not in ("native", "bits"):
         raise NotImplementedError(f"decode must be 'native' or 'bits', got {decode=}")
-    if not is_pow2(block_m) or block_m < 16:
-        raise NotImplementedError(f"block_m must be a power of 2 >= 16 for tensor-core tiles, got {block_m=}")
+    if block_m != 1 and (not is_pow2(block_m) or block_m < 16):
+        raise NotImplementedError(f"block_m must be 1 (one row, no tensor cores) or a power of 2 >= 16 for "
+                                  f"tensor-core tiles, got {block_m=}")
     if not is_pow2(block_k) or block_k < QBLOCK or k % block_k:
         raise NotImplementedError(f"block_k must be a power of 2 >= {QBLOCK} dividing {k=}, got {block_k=}")
     if k_splits < 1 or (k // block_k) % k_splits:
