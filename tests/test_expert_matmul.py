@@ -246,20 +246,6 @@ def test_pairs_bit_logic():
         assert f"{sel:#x}" in ptx and f"r_u, {codes[j % 2][1]};" in ptx and f"r_u, {codes[j % 2][2]};" in ptx
 
 
-@pytest.mark.parametrize("mask_x", [True, False])
-def test_compiled_gather_pads_rows_only_without_masked_loads(mask_x, monkeypatch):
-    """gather_matmul lowered for a GPU: with masked x loads (the default) the kernel takes the R
-    pair rows as they are and returns [R, N] (no pad, no slice); without them x gets 15 zero rows."""
-    monkeypatch.setattr(api, "gpu_kernel", lambda *a: True)  # the GPU path, lowered on this CPU host
-    x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 5)
-    ids = jnp.asarray([0, 2, 1, 1, 0], jnp.int32)
-    f = lambda x, w, s: api.gather_matmul(x, w, s, ids, implementation="pallas",
-                                          block_sizes=api.BlockSizes(mask_x=mask_x, decode="pairs"))
-    text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
-    assert "expert_matmul_fp4" in text
-    assert ("stablehlo.pad" in text) != mask_x and ("tensor<20x256xbf16>" in text) != mask_x
-
-
 @pytest.mark.parametrize("decode", ["select", "subnormal", "pairs"])
 def test_kernel_lowers_to_triton_for_cuda(decode):
     """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering)."""

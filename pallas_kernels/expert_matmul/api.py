@@ -165,18 +165,12 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
     def local(x, expert):  # per data shard on a mesh (split_batch): pairs are token-major
         r = x.shape[0]
         rows = 16  # tensor-core minimum; each tile's other 15 rows are padding (masked at the store)
-        # the compiled kernel with masked x loads touches no row past a tile's valid one (loads
-        # and stores are masked), so x and the output need no padding rows; interpret mode
-        # slices its blocks (a slice past the end would shift), so there they are padded
-        pad = rows - 1 if interpret or not (block_sizes or BlockSizes()).mask_x else 0
-        xp = jnp.pad(x.astype(jnp.bfloat16), ((0, pad), (0, 0))) if pad else x.astype(jnp.bfloat16)
+        xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
         ar = jnp.arange(r, dtype=jnp.int32)
         out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
                               interpret, block_sizes)
         if out is None:
             return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
-        if not pad:
-            return out
         return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
 
     return split_batch(local, (x, expert), (True, True), "gather_matmul")

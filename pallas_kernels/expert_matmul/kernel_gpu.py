@@ -176,8 +176,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
                   num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False):
-    """x bf16 [M, K] (M >= max(row0) + rows, or with `mask_x` on a compiled GPU kernel M >= max(row0 +
-    valid): masked loads and stores touch no other row); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
+    """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
 
     w and s may also be tuples of G such matrices (the same shape: an expert's w1 and w3): then
