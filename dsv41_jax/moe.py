@@ -262,7 +262,7 @@ class Experts(nnx.Module):
 
     def _grouped_kernel(self, x, src, weights, e, n_e):
         """`grouped` through the fp4 kernel (same arguments and result)."""
-        r, dim = src.shape[0], x.shape[-1]
+        r = src.shape[0]
         c = expert_matmul.tile_rows_for(r, n_e)
         order, te, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
         x_sorted, w_sorted = _sorted_rows(x, src, weights, order, c)

@@ -159,7 +159,7 @@ def test_sinkhorn_kernel_lowers_to_triton_for_cuda(lanes):
     """The Pallas -> Triton lowering of both layouts runs without a GPU (cross-platform lowering)."""
     from pallas_kernels.sinkhorn import kernel_gpu
 
-    m, scale, base, hc, iters = (jnp.asarray(v) if not isinstance(v, int) else v for v in sinkhorn_inputs("odd_tokens"))
+    m, scale, base, hc, iters = (v if isinstance(v, int) else jnp.asarray(v) for v in sinkhorn_inputs("odd_tokens"))
     f = lambda m, s, b, r: kernel_gpu.hc_split_sinkhorn(m, s, b, r, hc=hc, iters=iters, eps=HC_EPS, block_tokens=8,
                                                          num_warps=4, division="rcp_fma", interpret=False, lanes=lanes)
     rms = jnp.ones(m.shape[0], jnp.float32)

@@ -68,7 +68,8 @@ class BlockSizes:
         """Tiles for m rows times [n, k] (n a tuple: several matrices in one launch, block_n
         dividing each)."""
         ns = (n,) if isinstance(n, int) else tuple(n)
-        block_m = self.block_m or (1 if m == 1 and self.one_row else min(max(16, 1 << max(m - 1, 0).bit_length()), 64))
+        tensor_core_rows = min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
+        block_m = self.block_m or (1 if m == 1 and self.one_row else tensor_core_rows)
         block_n = self.block_n or fit_block(64, math.gcd(*ns), kernel_gpu.QBLOCK)
         block_k = self.block_k or fit_block(256 if block_m <= 64 else 128, k, kernel_gpu.QBLOCK)
         k_splits = self.k_splits

@@ -46,6 +46,12 @@ class BlockSizes:
     lanes: bool = True
     lane_tokens: int = 8
 
+    def gpu_launch(self, hc: int) -> tuple[int, int, str]:
+        """(tokens a program, warps, division) of the GPU kernel for hc copies."""
+        if self.lanes:
+            return self.lane_tokens, max(1, min(8, hc * hc * self.lane_tokens // 32)), self.division or "div_rn"
+        return self.block_tokens, self.num_warps, self.division or "rcp_fma"
+
     @classmethod
     def get_default(cls, target: Target) -> BlockSizes:
         return cls(block_tokens=128 if target == "gpu" else 512)
@@ -69,13 +75,10 @@ def _validate(mixes, scale, base, hc, iters, eps):
 
 def _kernel_split(mixes2d, scale, base, rms, *, hc, iters, eps, target, block_sizes, interpret):
     if target == "gpu":
-        bs = block_sizes
-        bt, warps = bs.block_tokens, bs.num_warps
-        if bs.lanes:
-            bt, warps = bs.lane_tokens, max(1, min(8, hc * hc * bs.lane_tokens // 32))
+        bt, warps, division = block_sizes.gpu_launch(hc)
         return kernel_gpu.hc_split_sinkhorn(
             mixes2d, scale, base, rms, hc=hc, iters=iters, eps=eps, block_tokens=bt, num_warps=warps,
-            division=bs.division or ("div_rn" if bs.lanes else "rcp_fma"), interpret=interpret, lanes=bs.lanes)
+            division=division, interpret=interpret, lanes=block_sizes.lanes)
     return kernel_tpu.hc_split_sinkhorn(mixes2d, scale, base, rms, hc=hc, iters=iters, eps=eps,
                                         block_tokens=block_sizes.block_tokens, interpret=interpret)
 

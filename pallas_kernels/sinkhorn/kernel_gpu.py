@@ -181,25 +181,14 @@ def _lanes_kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: f
         idx = col3 if axis == 2 else row3
         return [jnp.sum(jnp.where(idx == k, c, zero), axis=axis) for k in range(hc)]
 
-    def entry_sum(c, axis):
-        """[bt, hc] sums over `axis` in index order, as the token layout adds."""
-        parts = entries(c, axis)
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
-        return out
-
     def normalise(c, axis, add_eps):
-        s = entry_sum(c, axis)
+        s = functools.reduce(jnp.add, entries(c, axis))  # in index order, as the token layout adds
         if add_eps:
             s = s + eps
         s = jnp.broadcast_to(s[:, :, None] if axis == 2 else s[:, None, :], (bt, hc, hc))
         return div(c, div.prepare(s))
 
-    parts = entries(c, 2)
-    mx = parts[0]
-    for p in parts[1:]:
-        mx = jnp.maximum(mx, p)
+    mx = functools.reduce(jnp.maximum, entries(c, 2))
     c = jnp.exp(c - jnp.broadcast_to(mx[:, :, None], (bt, hc, hc)))
     c = normalise(c, 2, add_eps=False) + eps
     c = normalise(c, 1, add_eps=True)
@@ -225,8 +214,8 @@ def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, rms: 
     if lanes and (hc & (hc - 1) or hc < 2):
         raise NotImplementedError(f"one comb entry per lane needs hc a power of 2 >= 2 for Triton, got {hc=}")
     has_rms = rms is not None
-    kernel = functools.partial(_lanes_kernel if lanes else _kernel, hc=hc, iters=iters, eps=float(eps), n_tokens=t, block_tokens=block_tokens,
-                               has_rms=has_rms, division=division, interpret=interpret)
+    kernel = functools.partial(_lanes_kernel if lanes else _kernel, hc=hc, iters=iters, eps=float(eps), n_tokens=t,
+                               block_tokens=block_tokens, has_rms=has_rms, division=division, interpret=interpret)
     args = (mixes, scale, base) + ((rms,) if has_rms else ())
     out_shape = (jax.ShapeDtypeStruct((t, hc), jnp.float32), jax.ShapeDtypeStruct((t, hc), jnp.float32),
                  jax.ShapeDtypeStruct((t, hc * hc), jnp.float32))
