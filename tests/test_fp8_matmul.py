@@ -330,7 +330,7 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch, rows
     calls = []
     original = kernel_gpu.fp8_matmul_many
     monkeypatch.setattr(kernel_gpu, "fp8_matmul_many", lambda x, ws, *a, **kw: calls.append(
-        (x.shape, len(ws), kw.get("groups", 1))) or original(x, ws, *a, **kw))
+        (x.shape, len(ws), kw.get("groups", 1), kw.get("quantise", False))) or original(x, ws, *a, **kw))
     jax.clear_caches()
     cache = jax.tree.map(lambda a: a[:rows], parity.teacher_forced_cache(parity.load_model(gs), gs))
 
@@ -340,8 +340,70 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch, rows
         return np.asarray(logits, np.float32)
 
     got = first_step(model)
-    assert calls and all(shape[0] == rows for shape, _, _ in calls)
-    assert {n for _, n, _ in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
-    assert {g for _, _, g in calls} == {1, gs.args.o_groups}  # wo_a: one grouped launch
+    assert calls and all(shape[0] == rows for shape, _, _, _ in calls)
+    assert {n for _, n, _, _ in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
+    assert {g for _, _, g, _ in calls} == {1, gs.args.o_groups}  # wo_a: one grouped launch
+    # one row: every ungrouped launch quantises its row itself (no act_quant launch); wo_a's
+    # input is not quantised; two rows go through the quantiser first
+    assert {(g, q) for _, _, g, q in calls} == ({(1, True), (gs.args.o_groups, False)} if rows == 1
+                                                 else {(1, False), (gs.args.o_groups, False)})
     want = first_step(parity.load_model(gs))
     np.testing.assert_array_equal(got, want)
+
+
+def _quantiser_inputs(rng, k: int) -> np.ndarray:
+    """[1, k] fp32: magnitudes over 60 binades (one scale per 32 elements), both signs, an
+    all-zero block (amax clamped to 1e-4), and a block of exact e4m3 rounding ties (amax 448 * 2^j,
+    the others midway between grid points, normal and subnormal)."""
+    x = rng.standard_normal(k) * np.exp2(rng.integers(-30, 30, k // 32).repeat(32)) * np.exp2(rng.uniform(-12, 0, k))
+    x[:32] = 0.0
+    j = int(rng.integers(-4, 4))
+    x[32] = 448.0 * 2.0**j
+    m, e = rng.integers(8, 16, 31), rng.integers(-9, 8, 31)
+    x[33:64] = (m + 0.5) * np.exp2(e - 3.0 + j) * rng.choice([-1.0, 1.0], 31)
+    return x.astype(np.float32)[None]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_in_kernel_quantiser_equals_act_quant_bf16(dtype):
+    """kernel_gpu._act_quant_row (the one-row kernel's quantiser) gives `quant.act_quant_bf16`'s
+    values bit for bit: scales over 60 binades, zero blocks, exact e4m3 ties."""
+    rng = np.random.default_rng(21)
+    row = jax.jit(kernel_gpu._act_quant_row)
+    want = jax.jit(lambda x: quant.act_quant_bf16(x).astype(jnp.float32))
+    for _ in range(8):
+        x = jnp.asarray(_quantiser_inputs(rng, 2048), dtype)
+        got = np.asarray(row(x))
+        np.testing.assert_array_equal(got, np.asarray(want(x)))
+        assert np.all(got[0, 33:64] != np.asarray(x[0, 33:64], np.float32))  # every tie moved to a grid point
+
+
+@pytest.mark.parametrize(("dtype", "n_w", "k_splits"), [(jnp.bfloat16, 1, 1), (jnp.float32, 2, 2)])
+def test_one_row_linear_quantising_in_the_kernel_equals_the_quantiser_launch(dtype, n_w, k_splits):
+    """`linear_many` at one row (interpret): the kernel quantising its own x tiles gives the same
+    outputs, bit for bit, as `act_quant_bf16` followed by the kernel (K splits and two matrices
+    in one launch included); two rows never take the in-kernel quantiser."""
+    rng = np.random.default_rng(22)
+    x = jnp.asarray(_quantiser_inputs(rng, 512), dtype)
+    mats = [make(rng, 1, n, 512)[1:3] for n in (64, 96)[:n_w]]
+    ws, ss = tuple(w for w, _ in mats), tuple(s for _, s in mats)
+    outs = {}
+    for q in (False, True):
+        bs = api.BlockSizes(quantise_one_row=q, k_splits=k_splits, block_n=32)
+        outs[q] = api.linear_many(x, ws, ss, implementation="pallas", interpret=True, block_sizes=bs)
+    for a, b, (w, s) in zip(outs[False], outs[True], mats, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert np.mean(ulps(b, quant.linear_fp8(x, w, s)) == 0) >= 0.9
+    with pytest.raises(NotImplementedError, match="in-kernel quantiser takes one"):
+        kernel_gpu.fp8_matmul_many(jnp.concatenate([x, x]), ws, ss, block_m=16, block_n=32, block_k=256, k_splits=1,
+                                   num_warps=4, num_stages=3, decode="native", interpret=True, quantise=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_in_kernel_quantiser_lowers_to_triton_for_cuda(dtype):
+    x, w, s, _, _ = make(np.random.default_rng(0), 1, 256, 2048)
+    f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
+        x, (w, w), (s, s), block_m=1, block_n=64, block_k=256, k_splits=2, num_warps=4, num_stages=3,
+        decode="native", interpret=False, quantise=True)
+    text = jax.jit(f).trace(x.astype(dtype), w, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fp8_matmul" in text

@@ -47,6 +47,10 @@ class BlockSizes:
     docstring). block_n: output columns per program (power of 2 >= 32 dividing N). block_k:
     reduction step (power of 2 >= 32 dividing K).
     one_row: a single row (M = 1) takes block_m 1 when block_m is not given.
+    quantise_one_row: with block_m 1, `linear` leaves the activation quantiser to the kernel (it
+      quantises each x tile it loads, kernel_gpu's docstring) instead of a launch of its own
+      (same values; on the H200 a layer's eight projections 72.1 against 89.0 µs of device
+      time, benchmarks/README.md, sixteenth run).
     k_splits: programs sharing one output block's K range (their fp32 partials are then added);
       None picks the fewest that give `target_programs` programs.
     num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
@@ -63,6 +67,7 @@ class BlockSizes:
     max_rows: int = 64
     target_programs: int = 264  # two per SM of an H100/H200
     one_row: bool = True
+    quantise_one_row: bool = True
 
     def resolved(self, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes:
         """Tiles for m rows times [n, k] (n a tuple: several matrices in one launch, block_n
@@ -98,17 +103,18 @@ def _validate_scale(name, w, s):
         raise ValueError(f"{name}: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1):
+def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False):
     """The kernel's outputs (a tuple, one per weight), or None when the reference must run (a
-    shape the kernel refuses); callers check `gpu_kernel` first. `groups`: kernel_gpu's."""
+    shape the kernel refuses); callers check `gpu_kernel` first. `groups`, `quantise`: kernel_gpu's
+    (with `quantise` x is the row before the activation quantiser, passed as it is)."""
     m, k = x.shape[0], ws[0].shape[1]
     ns = tuple(w.shape[0] // groups for w in ws) * groups  # block_n must divide each group's rows
     bs = (block_sizes or BlockSizes()).resolved(m, ns, k)
     try:
-        outs = kernel_gpu.fp8_matmul_many(x.astype(jnp.bfloat16), tuple(ws), tuple(ss), block_m=bs.block_m,
-                                          block_n=bs.block_n, block_k=bs.block_k, k_splits=bs.k_splits,
-                                          num_warps=bs.num_warps, num_stages=bs.num_stages, decode=bs.decode,
-                                          interpret=interpret, groups=groups)
+        outs = kernel_gpu.fp8_matmul_many(x if quantise else x.astype(jnp.bfloat16), tuple(ws), tuple(ss),
+                                          block_m=bs.block_m, block_n=bs.block_n, block_k=bs.block_k,
+                                          k_splits=bs.k_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
+                                          decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)
@@ -163,10 +169,12 @@ def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ..
         rows = math.prod(x.shape[:-1])
         if rows > bs.max_rows:
             return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
-        xq = quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
+        in_kernel = (bs.quantise_one_row and x.dtype in (jnp.bfloat16, jnp.float32)
+                     and bs.resolved(rows, tuple(w.shape[0] for w in ws), x.shape[-1]).block_m == 1)
+        xq = x.reshape(rows, x.shape[-1]) if in_kernel else quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
         for w, s in zip(ws, ss):
             _validate(xq, w, s)
-        outs = _kernel_or_none(xq, ws, ss, interpret, bs)
+        outs = _kernel_or_none(xq, ws, ss, interpret, bs, quantise=in_kernel)
         if outs is None:
             return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
         return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))

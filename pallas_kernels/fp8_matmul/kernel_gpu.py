@@ -23,6 +23,11 @@ would be padding); each program multiplies the widened, scaled weight tile by th
 element in fp32 (exact products, as the tensor cores form them) and sums each output column's
 products, so the decoded tile never goes through shared memory into the MMA layout.
 
+With "quantise" (one row only) the kernel takes the row before the activation quantiser (bf16 or
+fp32) and applies it to each x tile it loads: per 32 elements amax = max(max|x|, 1e-4), scale
+s = 2^ceil(log2(amax * fp32(1/448))), x / s clamped to +-448 and rounded to the e4m3 grid (ties to
+even), times s: the values of `quant.act_quant_bf16`, so the launch of that quantiser is saved.
+
 Grouped ("groups" = G > 1, the attention's block-diagonal `wo_a`): x [M, G*K] holds G inputs
 side by side and the weight's N rows form G equal groups; output column n belongs to group
 n // (N/G) and reads only its group's K columns of x (block_n divides N/G).
@@ -57,8 +62,32 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
     return jnp.where((code & 0x80) != 0, -v, v)
 
 
+def _act_quant_row(x: jax.Array) -> jax.Array:
+    """x [1, bk] (bf16 / fp32; bk % 32 == 0) -> fp32 [1, bk]: `quant.act_quant_bf16`'s values, from
+    bit operations, multiplies by powers of two and one round-half-even (all exact)."""
+    bk = x.shape[1]
+    xf = x.astype(jnp.float32).reshape(bk // QBLOCK, QBLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), jnp.float32(1e-4)) * jnp.float32(1.0 / 448.0)
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # biased exponent of s
+    s = jax.lax.bitcast_convert_type(e << 23, jnp.float32)[:, None]
+    inv = jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]
+    y = jnp.minimum(jnp.maximum(xf * inv, jnp.float32(-448.0)), jnp.float32(448.0))
+    # e4m3 grid step 2^(f-3) for |y| in [2^f, 2^(f+1)), f >= -6: v = |y| / step < 16 (exact) is
+    # rounded to an integer, ties to even, from its truncation and the exact remainder
+    a = jnp.abs(y)
+    f = jnp.maximum(((jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF) - 127, -6)
+    v = a * jax.lax.bitcast_convert_type((130 - f) << 23, jnp.float32)
+    n = v.astype(jnp.int32)
+    rem = v - n.astype(jnp.float32)
+    n = n + ((rem > 0.5) | ((rem == 0.5) & ((n & 1) == 1))).astype(jnp.int32)
+    r = n.astype(jnp.float32) * jax.lax.bitcast_convert_type((124 + f) << 23, jnp.float32)
+    q = jnp.where(y < 0, -r, r)
+    return (q * s).reshape(1, bk)
+
+
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
-            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int):
+            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool):
     # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K);
     # then per weight t: w_ref [N_t, K] e4m3 ("native") or int8 ("bits"), then
     # s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16 or [splits, M, N_t] fp32 when split.
@@ -83,7 +112,8 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
             sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
             wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
             if block_m == 1:  # one row: exact fp32 products on the CUDA cores, summed per column
-                return acc + jnp.sum((wf * sf) * xb.astype(jnp.float32), axis=1)[None, :]
+                xf = _act_quant_row(xb) if quantise else xb.astype(jnp.float32)
+                return acc + jnp.sum((wf * sf) * xf, axis=1)[None, :]
             wv = (wf * sf).astype(jnp.bfloat16)  # exact
             return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
 
@@ -117,7 +147,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, groups: int = 1, **t
 
 def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
                     block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
-                    interpret: bool, groups: int = 1) -> tuple[jax.Array, ...]:
+                    interpret: bool, groups: int = 1, quantise: bool = False) -> tuple[jax.Array, ...]:
     """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
     ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
     it. The grid's column blocks run through the matrices in order; every output column is
@@ -125,6 +155,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     these tiles (bit-identical results), and the weights stream in one launch instead of several.
 
     `groups` G > 1: one matrix, x [M, G*K], output column n reading group n // (N/G) of x.
+    `quantise`: x [1, K] bf16 or fp32 before the activation quantiser, applied in the kernel
+    (block_m 1, no groups; module docstring).
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     m = x.shape[0]
@@ -132,7 +164,10 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     if groups < 1 or (groups > 1 and len(ws) != 1) or x.shape[1] != groups * k:
         raise NotImplementedError(f"x [M, groups * K] with groups >= 1 (one matrix when > 1), got {x.shape=} "
                                   f"{groups=} K={k} for {len(ws)} matrices")
-    if x.dtype != jnp.bfloat16:
+    if quantise and (block_m != 1 or groups != 1 or x.dtype not in (jnp.bfloat16, jnp.float32)):
+        raise NotImplementedError(f"the in-kernel quantiser takes one bf16 or fp32 row (block_m 1, no groups), got "
+                                  f"{block_m=} {groups=} {x.dtype=}")
+    if x.dtype != jnp.bfloat16 and not quantise:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
     if not ws or len(ws) != len(ss):
         raise NotImplementedError(f"one scale per weight, got {len(ws)} weights and {len(ss)} scales")
@@ -156,7 +191,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
             raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
         if max(n * k, m * max(groups * k, n) * k_splits) >= 2**31:
             raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
-    smem = num_stages * (block_m * block_k * 2 + block_n * block_k + (block_n // QBLOCK) * (block_k // QBLOCK))
+    smem = num_stages * (block_m * block_k * x.dtype.itemsize + block_n * block_k
+                         + (block_n // QBLOCK) * (block_k // QBLOCK))
     if smem > SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
                                   f"({block_m=}, {block_n=}, {block_k=}, {num_stages=})")
@@ -167,7 +203,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     col_blocks = tuple(w.shape[0] // block_n for w in ws)
     kernel = functools.partial(_kernel, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
                                k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks,
-                               group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k)
+                               group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k,
+                               quantise=quantise)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
