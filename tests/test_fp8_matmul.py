@@ -394,6 +394,12 @@ def test_one_row_linear_quantising_in_the_kernel_equals_the_quantiser_launch(dty
     for a, b, (w, s) in zip(outs[False], outs[True], mats, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert np.mean(ulps(b, quant.linear_fp8(x, w, s)) == 0) >= 0.9
+    for bad in (np.nan, np.inf, -np.inf):  # a non-finite x makes every output NaN on both paths
+        xb = x.at[0, 100].set(bad)
+        for q in (False, True):
+            bs = api.BlockSizes(quantise_one_row=q, k_splits=k_splits, block_n=32)
+            outs_bad = api.linear_many(xb, ws, ss, implementation="pallas", interpret=True, block_sizes=bs)
+            assert all(np.all(np.isnan(np.asarray(o, np.float32))) for o in outs_bad)
     with pytest.raises(NotImplementedError, match="in-kernel quantiser takes one"):
         kernel_gpu.fp8_matmul_many(jnp.concatenate([x, x]), ws, ss, block_m=16, block_n=32, block_k=256, k_splits=1,
                                    num_warps=4, num_stages=3, decode="native", interpret=True, quantise=True)

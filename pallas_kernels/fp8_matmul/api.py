@@ -152,8 +152,9 @@ def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ..
                 implementation: Implementation = "auto", interpret: bool = False,
                 block_sizes: BlockSizes | None = None) -> tuple[jax.Array, ...]:
     """`linear(x, w, s)` for each (w, s) of ws / ss (all [N_t, K] for x's K) -> a tuple of bf16
-    [..., N_t]. On the kernel path the rows are quantised once and every matrix streams in one
-    launch (`kernel_gpu.fp8_matmul_many`); the tiles (K splits included) are picked for the
+    [..., N_t]. On the kernel path the rows are quantised once (a single row inside the kernel,
+    `BlockSizes.quantise_one_row`) and every matrix streams in one launch
+    (`kernel_gpu.fp8_matmul_many`); the tiles (K splits included) are picked for the
     combined grid, so a result may differ from its own `linear` call only in the order of its
     fp32 sums."""
     bs = block_sizes or BlockSizes()

@@ -64,7 +64,9 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
 
 def _act_quant_row(x: jax.Array) -> jax.Array:
     """x [1, bk] (bf16 / fp32; bk % 32 == 0) -> fp32 [1, bk]: `quant.act_quant_bf16`'s values, from
-    bit operations, multiplies by powers of two and one round-half-even (all exact)."""
+    bit operations, multiplies by powers of two and one round-half-even (all exact). Where x is
+    not finite the result is NaN (that element's quantiser output is NaN too, and every product
+    sum it enters is NaN on both paths)."""
     bk = x.shape[1]
     xf = x.astype(jnp.float32).reshape(bk // QBLOCK, QBLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), jnp.float32(1e-4)) * jnp.float32(1.0 / 448.0)
@@ -83,7 +85,10 @@ def _act_quant_row(x: jax.Array) -> jax.Array:
     n = n + ((rem > 0.5) | ((rem == 0.5) & ((n & 1) == 1))).astype(jnp.int32)
     r = n.astype(jnp.float32) * jax.lax.bitcast_convert_type((124 + f) << 23, jnp.float32)
     q = jnp.where(y < 0, -r, r)
-    return (q * s).reshape(1, bk)
+    # a NaN or infinite x makes the quantiser's output NaN (its scale is then NaN or infinite);
+    # Triton's max ignores NaN, so such elements are set to NaN explicitly
+    finite = jnp.abs(xf) <= jnp.float32(3.4028234663852886e38)
+    return jnp.where(finite, q * s, jnp.float32(jnp.nan)).reshape(1, bk)
 
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
