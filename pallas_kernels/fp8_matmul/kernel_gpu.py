@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dsv41_jax import quant
 from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2
 
 QBLOCK = 32  # weight scale block (rows and columns)
@@ -69,14 +70,13 @@ def _act_quant_row(x: jax.Array) -> jax.Array:
     sum it enters is NaN on both paths)."""
     bk = x.shape[1]
     xf = x.astype(jnp.float32).reshape(bk // QBLOCK, QBLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), jnp.float32(1e-4)) * jnp.float32(1.0 / 448.0)
-    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # biased exponent of s
-    s = jax.lax.bitcast_convert_type(e << 23, jnp.float32)[:, None]
-    inv = jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32)[:, None]
+    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), jnp.float32(1e-4))
+    s = quant._pow2_ceil(amax * jnp.float32(1.0 / 448.0))[:, None]
+    inv = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(s, jnp.int32), jnp.float32)
     y = jnp.minimum(jnp.maximum(xf * inv, jnp.float32(-448.0)), jnp.float32(448.0))
-    # e4m3 grid step 2^(f-3) for |y| in [2^f, 2^(f+1)), f >= -6: v = |y| / step < 16 (exact) is
-    # rounded to an integer, ties to even, from its truncation and the exact remainder
+    # `quant._round_e4m3` without jnp.round (no Triton lowering): grid step 2^(f-3) for |y| in
+    # [2^f, 2^(f+1)), f >= -6; v = |y| / step < 16 (exact) is rounded to an integer, ties to
+    # even, from its truncation and the exact remainder
     a = jnp.abs(y)
     f = jnp.maximum(((jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF) - 127, -6)
     v = a * jax.lax.bitcast_convert_type((130 - f) << 23, jnp.float32)

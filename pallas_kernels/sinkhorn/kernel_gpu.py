@@ -68,10 +68,7 @@ def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, 
             block_tokens: int, has_rms: bool, division: str, interpret: bool):
     # m_ref [t, (2 + hc) * hc] f32; scale_ref [3]; base_ref [(2 + hc) * hc]; rms_ref [t] (optional)
     # outputs: pre_ref [t, hc], post_ref [t, hc], comb_ref [t, hc * hc], all f32
-    if has_rms:
-        rms_ref, pre_ref, post_ref, comb_ref = rest
-    else:
-        pre_ref, post_ref, comb_ref = rest
+    rms_ref, pre_ref, post_ref, comb_ref = rest if has_rms else (None, *rest)
     tok = pl.program_id(0) * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)  # [block]
     live = tok < n_tokens
     # masked-off lanes keep their out-of-range token ids: never clamp them onto a real row, whose
@@ -146,10 +143,7 @@ def _kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, 
 def _lanes_kernel(m_ref, scale_ref, base_ref, *rest, hc: int, iters: int, eps: float, n_tokens: int,
                   block_tokens: int, has_rms: bool, division: str, interpret: bool):
     # as `_kernel`; every quantity a [block_tokens, hc] or [block_tokens, hc, hc] tensor
-    if has_rms:
-        rms_ref, pre_ref, post_ref, comb_ref = rest
-    else:
-        pre_ref, post_ref, comb_ref = rest
+    rms_ref, pre_ref, post_ref, comb_ref = rest if has_rms else (None, *rest)
     bt = block_tokens
     tok2 = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, hc), 0)
     col2 = jax.lax.broadcasted_iota(jnp.int32, (bt, hc), 1)
