@@ -20,7 +20,11 @@ Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_cei
   ceilings  HBM copy bandwidth (read + write of a multi-GB buffer), bf16 and fp8 GEMM FLOP/s
   experts   the routed-expert GEMMs alone (one layer's 384 experts): XLA widen-then-dot vs the
             Pallas fp4 kernel, with the fraction of bit-identical outputs and the max ulp
-  decode    one decode step of the whole stack (embed, 6 layers, head) per (batch, context)
+  decode    decode steps of the whole stack (embed, 6 layers, head) per (batch, context): one
+            step per call, calls back to back ("decode <path>") or each waited for before the
+            next ("decode <path> synced", a host loop reading every token), and --loop-steps
+            greedy steps in one call of `Generator`'s decode program ("decode <path> loop", wall
+            time per step: the host's dispatch paid once per call, as `Generator.generate` runs)
   layers    the same step as one jitted call per layer (per-layer time by role)
   prefill   prefill of one prompt of S tokens (cache of S positions); its FLOPs count each
             layer at the positions it runs on (`prefill_counts`: replayed layers on a suffix)
@@ -54,8 +58,9 @@ from flax import nnx
 
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.generate import context_bucket
+from dsv41_jax.generate import Generator, context_bucket
 from dsv41_jax.model import Transformer, replay_start, replay_width
+from dsv41_jax.sampling import SamplingParams
 
 RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
 
@@ -483,12 +488,14 @@ def routed_experts(graphdef, state, ids, pos, cache, context_bound=None) -> tupl
 
 
 def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=(), cache_len=None,
-                   bound=True, measure_routing=False):
+                   bound=True, measure_routing=False, loop_steps=0):
     """Decode rows. cache_len: the caches hold this many positions (default: the context); with
     `bound` the step gets the Generator's context bound (`generate.context_bucket`), so the
     indexers score only the rows the context can see, else every cached row. Rows record both.
     measure_routing: the row's bytes count the experts the step routes to (`routed_experts`, one
-    extra compiled step) instead of the uniform-routing estimate, which is recorded beside."""
+    extra compiled step) instead of the uniform-routing estimate, which is recorded beside.
+    loop_steps: also time `Generator`'s decode program running this many greedy steps in one
+    call (positions context - 1 - loop_steps ... context - 2, so the same context bound)."""
     for context in contexts:
         for batch in batches:
             for path in paths:
@@ -529,6 +536,13 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                             fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
                             tokens_per_s=round(batch / t, 1), cache_len=cache_len_row, context_bound=context_bound,
                             **extra)
+                    # one step per call waiting for each (a host loop that reads every token)
+                    ts = timeit(lambda: jax.block_until_ready(call()), iters=5 if not tiny else 2)
+                    rep.add(name=f"{name} synced", batch=batch, context=context, seconds=ts, bytes=by, flops=fl,
+                            fraction_of_ceiling=by / ts / ceil["hbm"], ceiling="hbm", tokens_per_s=round(batch / ts, 1))
+                    if loop_steps and context > loop_steps + 1:
+                        loop_row(rep, ceil, name, graphdef, state, holder, ids, pos - loop_steps, context_bound,
+                                 loop_steps, batch, context, by, fl, tiny)
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
@@ -541,6 +555,27 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                             fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
                     traceback.print_exc(limit=3)
                 _speedup(rep, f"decode", batch, context)
+
+
+def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, steps, batch, context, by, fl,
+             tiny):
+    """The row "<name> loop": `Generator`'s decode program (`Generator._decode`) running `steps`
+    greedy steps from positions `pos` in one call; seconds are the call's wall time over `steps`."""
+    gen = Generator(nnx.merge(graphdef, state), decode_steps=steps)
+    done = jnp.zeros(ids.shape, bool)
+
+    def call():
+        toks, _, _, _, holder["cache"] = gen._decode(gen.state, ids, pos, holder["cache"], done, None, np.int32(0),
+                                                     np.int32(steps), None, SamplingParams(), context_bound, (), 0)
+        return toks
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    compile_s = time.perf_counter() - t0
+    t = timeit(call, iters=3 if not tiny else 1) / steps
+    rep.add(name=f"{name} loop", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
+            fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
+            tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound)
 
 
 def hlo_sources(hlo_text: str) -> dict:
@@ -799,6 +834,8 @@ def main(argv=None) -> int:
                    help="decode steps score every cached index key (no Generator context bound)")
     p.add_argument("--measure-routing", action="store_true",
                    help="decode bytes from the experts each step routes to (default: uniform routing)")
+    p.add_argument("--loop-steps", type=int, default=16,
+                   help="decode rows also time this many steps in one call (Generator's program); 0: off")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -847,7 +884,7 @@ def main(argv=None) -> int:
             for batch in batches:
                 ps = [v for v in paths if v != "reference" or (batch in ref_b and context in ref_ctx)]
                 decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for,
-                               ns.cache_len, not ns.no_context_bound, ns.measure_routing)
+                               ns.cache_len, not ns.no_context_bound, ns.measure_routing, ns.loop_steps)
         if n_ctx == 0 and "prefill" in sections:
             for s_len in lengths:
                 prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre],

@@ -5,7 +5,9 @@
     python -m dsv41_jax.generate --ckpt DIR --prompt "Hello" --tokenizer tokenizer.json
 
 Compilation: one prefill program per (batch, prompt bucket) and one decode program per
-(batch, sampling settings). Prompts are right-padded to a bucket (powers of two from 16, capped at
+(batch, sampling settings, context bucket). The decode program runs up to `decode_steps` steps
+on the device (`jax.lax.while_loop`: step, sample, stop once every row has finished), so the host
+dispatches once per `decode_steps` tokens rather than once per token. Prompts are right-padded to a bucket (powers of two from 16, capped at
 max_seq_len) so a new prompt length usually reuses a program; each row keeps its own position, so
 a row's tokens equal those of running it alone.
 
@@ -58,6 +60,9 @@ MIN_BUCKET = 16
 # decode steps compile per context bound (`Transformer.decode_step(context_bound=...)`): powers of
 # two from this many positions; at and past max_seq_len the whole cache is scored
 MIN_CONTEXT_BUCKET = 4096
+# decode steps per call (`Generator.decode_steps`) and the most bytes a call keeps for its logits
+DECODE_STEPS = 32
+MAX_CALL_LOGITS_BYTES = 1 << 30
 
 
 def prompt_bucket(length: int, max_seq_len: int) -> int:
@@ -86,12 +91,13 @@ class GenerateOutput:
     lengths: np.ndarray  # int32 [B]: generated tokens per row (eos included)
     logits: np.ndarray | None  # f32 [steps, B, V] when requested
     prefill_seconds: float  # includes compilation on a first call
-    step_seconds: list[float]  # per decode step; the first includes compilation on a first call
+    step_seconds: list[float]  # per decode step: its call's time over the steps the call ran
     prompt_tokens: int
+    first_call_steps: int = 1  # decode steps of the first call (its time includes compilation)
 
     def decode_tokens_per_second(self) -> float:
-        """Rows x steps per second over the decode steps after the first (compile excluded)."""
-        steps = self.step_seconds[1:]
+        """Rows x steps per second over the decode steps after the first call (compile excluded)."""
+        steps = self.step_seconds[self.first_call_steps:]
         return len(self.lengths) * len(steps) / sum(steps) if steps and sum(steps) > 0 else float("nan")
 
     def completions(self) -> list[list[int]]:
@@ -146,13 +152,24 @@ class Generator:
     (same tokens and logits; one decode program per bucket, at most log2(max_seq_len /
     min_context_bucket) + 1). None: every step scores the whole max_seq_len cache.
 
+    decode_steps: decode steps per call: each call runs up to this many steps in one on-device loop
+    (the sampled token fed back, stopping early once every row has met an eos id) and returns
+    their tokens, so per-token host dispatch (hundreds of µs for the model's state pytree) is paid
+    once per call. Same tokens and logits as one step per call (1). A call stops at the end of its
+    context bucket; with `return_logits` it also keeps its steps' logits on the device (f32
+    [steps, B, V]), at most `MAX_CALL_LOGITS_BYTES`.
+
     `traces` counts how often each program was traced (= compiled): a test pins that decode
     compiles once per context bucket however many steps run.
     """
 
     def __init__(self, model, *, max_seq_len: int | None = None, reference_compat: bool = False,
                  mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES, pad_batch: bool = True,
-                 prefill_chunk: int | None = None, min_context_bucket: int | None = MIN_CONTEXT_BUCKET):
+                 prefill_chunk: int | None = None, min_context_bucket: int | None = MIN_CONTEXT_BUCKET,
+                 decode_steps: int = DECODE_STEPS):
+        if not isinstance(decode_steps, int) or decode_steps < 1:
+            raise ValueError(f"decode_steps must be a positive number of steps per call, got {decode_steps!r}")
+        self.decode_steps = decode_steps
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
@@ -171,7 +188,7 @@ class Generator:
             self.data = 1
             self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))
             self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,))
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6, 7))
+            self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12))
             self._init_cache = lambda b: init_cache(self.args, b, self.max_seq_len)
             self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3))
             return
@@ -189,8 +206,10 @@ class Generator:
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
         self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,),
                                       out_shardings=(logits_sh, cache_sh))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(5, 6, 7),
-                               out_shardings=(replicated, logits_sh, cache_sh))
+        # (tokens [B, steps], last tokens, steps run, logits [steps, B, V] or None, cache)
+        step_logits_sh = NamedSharding(mesh, PartitionSpec(None, *logits_sh.spec))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
+                               out_shardings=(replicated, replicated, replicated, step_logits_sh, cache_sh))
         self._init_cache = jax.jit(lambda b: init_cache(self.args, b, self.max_seq_len), static_argnums=(0,),
                                    out_shardings=cache_sh)
         self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3), out_shardings=replicated)
@@ -205,12 +224,14 @@ class Generator:
         sharding = shd.activation_sharding(name, x.shape, self.mesh, self.rules)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    def _key_data(self, key: jax.Array | None, step: int):
-        """(raw uint32 key data of fold_in(key, step) on the host, key impl) or (None, None): plain
-        host data, so the key reaches the programs the same way on every process."""
+    def _key_data(self, key: jax.Array | None, step: int | None = None):
+        """(raw uint32 key data of fold_in(key, step) (of key itself for None) on the host, key
+        impl) or (None, None): plain host data, so the key reaches the programs the same way on
+        every process."""
         if key is None:
             return None, None
-        return np.asarray(jax.random.key_data(jax.random.fold_in(key, step))), jax.random.key_impl(key)
+        key_at = key if step is None else jax.random.fold_in(key, step)
+        return np.asarray(jax.random.key_data(key_at)), jax.random.key_impl(key)
 
     @staticmethod
     def _wrap_key(key_data, impl):
@@ -249,13 +270,37 @@ class Generator:
                 logits = jnp.where(self._put("lengths", n)[:, None] > 0, new, logits)
         return logits, cache
 
-    def _decode_impl(self, state, tokens, pos, cache, key_data, impl, params: SamplingParams,
-                     context_bound: int | None = None):
+    def _decode_impl(self, state, tokens, pos, cache, done, key_data, start, n_steps, impl, params: SamplingParams,
+                     context_bound: int | None, eos_ids: tuple[int, ...], logits_steps: int):
+        """Up to n_steps decode steps (n_steps <= decode_steps, traced) from tokens int32 [B] at
+        positions pos [B]; step j samples with fold_in(key, start + j). Stops early once every row
+        is done (done bool [B] on entry; a row is done once it samples an eos id). Returns
+        (tokens int32 [B, decode_steps] (-1 past the steps run), the last tokens int32 [B], the
+        steps run, f32 [logits_steps, B, V] logits of the steps or None, cache)."""
         self.traces["decode"] += 1
         model = nnx.merge(self.graphdef, state)
-        logits, cache = model.decode_step(tokens, pos, cache, reference_compat=self.reference_compat,
-                                          context_bound=context_bound)
-        return sample(logits, self._wrap_key(key_data, impl), params), logits, cache
+        base = self._wrap_key(key_data, impl)
+        b, width = tokens.shape[0], self.decode_steps
+        eos = jnp.asarray(eos_ids, jnp.int32)
+
+        def body(carry):
+            j, tok, pos, cache, done, out, logits_out = carry
+            logits, cache = model.decode_step(tok, pos, cache, reference_compat=self.reference_compat,
+                                              context_bound=context_bound)
+            tok = sample(logits, None if base is None else jax.random.fold_in(base, start + j), params)
+            out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, j))
+            if logits_out is not None:
+                logits_out = jax.lax.dynamic_update_slice(logits_out, logits[None], (j, 0, 0))
+            done = done | jnp.isin(tok, eos) if eos_ids else done
+            return j + 1, tok, pos + 1, cache, done, out, logits_out
+
+        def cond(carry):
+            return (carry[0] < n_steps) & ~jnp.all(carry[4])
+
+        logits_out = jnp.zeros((logits_steps, b, self.args.vocab_size), jnp.float32) if logits_steps else None
+        carry = (jnp.int32(0), tokens, pos, cache, done, jnp.full((b, width), -1, jnp.int32), logits_out)
+        j, tok, _, cache, _, out, logits_out = jax.lax.while_loop(cond, body, carry)
+        return out, tok, j, logits_out, cache
 
     def _padded_batch(self, prompts: list[list[int]]) -> list[list[int]]:
         extra = -len(prompts) % self.data
@@ -311,30 +356,48 @@ class Generator:
             done = np.arange(b) >= n_rows  # padding rows are finished from the start
             n = np.zeros(b, np.int32)
             pos = lengths.copy()
-            step_seconds = []
-            for t in range(steps):
-                tok_np = np.asarray(tok)
-                live = ~done
-                out[live, t] = tok_np[live]
-                n[live] += 1
-                if return_logits:
-                    all_logits.append(_to_host(logits).astype(np.float32)[:n_rows])
-                done |= np.isin(tok_np, np.asarray(eos_ids, np.int32)) if eos_ids else False
-                if done.all() or t == steps - 1:
+            step_seconds, first_call_steps = [], None
+            eos = tuple(sorted({int(e) for e in eos_ids}))
+            # a call's logits buffer: at most MAX_CALL_LOGITS_BYTES (and one step at the least)
+            logits_steps = (max(1, min(self.decode_steps, MAX_CALL_LOGITS_BYTES // (4 * b * a.vocab_size)))
+                            if return_logits else 0)
+            # the tokens (and logits) still to record: the prefill's token first
+            toks = np.asarray(tok)[:, None] if steps > 0 else np.zeros((b, 0), np.int32)
+            logits_np, t = _to_host(logits)[None] if return_logits else None, 0
+            while True:
+                for j in range(toks.shape[1]):  # the tokens of the last call, in order
+                    live = ~done
+                    out[live, t] = toks[live, j]
+                    n[live] += 1
+                    if return_logits:
+                        all_logits.append(logits_np[j].astype(np.float32)[:n_rows])
+                    done |= np.isin(toks[:, j], np.asarray(eos, np.int32)) if eos else False
+                    t += 1
+                if done.all() or t >= steps:
                     break
+                top = int(pos.max())  # the next step writes positions pos; the bound covers the call
+                bound = context_bucket(top + 1, self.max_seq_len, self.min_context_bucket)
+                m = min(self.decode_steps, steps - t, *((logits_steps,) if return_logits else ()),
+                        *((bound - top,) if bound is not None else ()))
                 t1 = time.perf_counter()
-                bound = context_bucket(int(pos.max()) + 1, self.max_seq_len, self.min_context_bucket)
-                tok, logits, cache = self._decode(self.state, tok, self._put("pos", pos), cache,
-                                                  *self._key_data(key, t + 1), params, bound)
-                tok.block_until_ready()
-                step_seconds.append(time.perf_counter() - t1)
-                pos = pos + 1
+                key_data, impl = self._key_data(key)
+                step_toks, tok, ran, step_logits, cache = self._decode(
+                    self.state, tok, self._put("pos", pos), cache, self._put("done", done), key_data, np.int32(t),
+                    np.int32(m), impl, params, bound, eos, logits_steps)
+                ran = int(ran)
+                toks = np.asarray(step_toks)[:, :ran]
+                logits_np = _to_host(step_logits)[:ran] if return_logits else None
+                elapsed = time.perf_counter() - t1
+                step_seconds += [elapsed / max(ran, 1)] * ran
+                first_call_steps = ran if first_call_steps is None else first_call_steps
+                pos = pos + ran
         n = n[:n_rows]
         n_steps = int(n.max()) if steps else 0
         return GenerateOutput(
             tokens=out[:n_rows, :n_steps], lengths=n,
             logits=np.stack(all_logits) if return_logits and all_logits else None,
             prefill_seconds=t_prefill, step_seconds=step_seconds, prompt_tokens=int(lengths[:n_rows].sum()),
+            first_call_steps=first_call_steps or 1,
         )
 
 
@@ -488,6 +551,8 @@ def main(argv=None) -> int:
     p.add_argument("--min-context-bucket", type=int, default=MIN_CONTEXT_BUCKET,
                    help="decode compiles per power-of-two context from this many positions and scores only the "
                    "index keys the context can see (same results); 0: always score the whole cache")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
+                   help="decode steps per compiled call (an on-device loop; same results); 1: a call per token")
     p.add_argument("--logits-out", help="write tokens [B, steps] and logits [steps, B, V] float32 to this .npz")
     p.add_argument("--mesh", help="device mesh, e.g. expert=4,data=2 (axes data, expert, tensor; must use every "
                                   "device; default: expert = gcd(devices, routed experts), the rest data)")
@@ -507,9 +572,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")
     p.add_argument("--config", help="with --plan: config.json (default: --ckpt's, else the released config)")
     ns = p.parse_args(argv)
-    for flag, value, low in (("--prefill-chunk", ns.prefill_chunk, 1), ("--min-context-bucket", ns.min_context_bucket, 0)):
+    for flag, value, low, what in (("--prefill-chunk", ns.prefill_chunk, 1, "positions"),
+                                   ("--min-context-bucket", ns.min_context_bucket, 0, "positions"),
+                                   ("--decode-steps", ns.decode_steps, 1, "steps")):
         if value is not None and value < low:
-            print(f"error: {flag} must be a number of positions >= {low}, got {value}", file=sys.stderr)
+            print(f"error: {flag} must be a number of {what} >= {low}, got {value}", file=sys.stderr)
             return 2
     if ns.plan:
         from dsv41_jax import plan
@@ -536,7 +603,8 @@ def main(argv=None) -> int:
         mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)
         model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh, **runtime)
         gen = Generator(model, max_seq_len=ns.max_seq_len, reference_compat=ns.reference_compat, mesh=mesh,
-                        prefill_chunk=ns.prefill_chunk, min_context_bucket=ns.min_context_bucket or None)
+                        prefill_chunk=ns.prefill_chunk, min_context_bucket=ns.min_context_bucket or None,
+                        decode_steps=ns.decode_steps)
         res = gen.generate(prompts, ns.max_new_tokens, params, jax.random.key(ns.seed), tuple(ns.eos_id),
                            return_logits=bool(ns.logits_out))
     except (ValueError, FileNotFoundError, ConfigError) as e:
@@ -552,7 +620,7 @@ def main(argv=None) -> int:
     print(f"prefill: {res.prompt_tokens} tokens in {res.prefill_seconds:.3f} s "
           f"({res.prompt_tokens / max(res.prefill_seconds, 1e-9):.1f} tok/s, compile included)")
     print(f"decode: {len(res.step_seconds)} steps x {len(prompts)} rows in {sum(res.step_seconds):.3f} s "
-          f"({res.decode_tokens_per_second():.1f} tok/s after the first, compiling step)")
+          f"({res.decode_tokens_per_second():.1f} tok/s after the first, compiling call)")
     if ns.logits_out:
         np.savez(ns.logits_out, tokens=res.tokens, logits=res.logits.astype(np.float32))
     return 0

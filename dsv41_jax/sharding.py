@@ -141,6 +141,7 @@ ACTIVATION_AXES: dict[str, tuple[str, ...]] = {
     "lengths": ("batch",),          # int32 [B]
     "tokens": ("batch",),           # int32 [B] one token per row (decode input, sampled output)
     "pos": ("batch",),              # int32 [B]
+    "done": ("batch",),             # bool [B] rows that have finished (decode input)
     "logits": ("batch", "vocab"),   # f32 [B, V]
 }
 

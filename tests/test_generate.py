@@ -222,6 +222,7 @@ def test_distributed_initialisation_is_skipped_without_a_coordinator_and_modes_a
     (["--prompt-ids", "[[1]]", "--num-processes", "2"], "--num-processes and --process-id go together"),
     (["--prompt-ids", "[[1]]", "--prefill-chunk", "0"], "--prefill-chunk must be a number of positions >= 1"),
     (["--prompt-ids", "[[1]]", "--min-context-bucket", "-1"], "--min-context-bucket must be a number of positions >= 0"),
+    (["--prompt-ids", "[[1]]", "--decode-steps", "0"], "--decode-steps must be a number of steps >= 1"),
 ])
 def test_cli_errors_name_the_problem(argv, message, capsys):
     assert G.main(["--ckpt", str(TINY), *argv]) == 2
@@ -279,3 +280,40 @@ def test_decode_with_context_buckets_gives_the_same_tokens_and_logits_with_one_p
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
     assert traces == [2, 1]
+
+
+def test_several_decode_steps_per_call_give_the_tokens_and_logits_of_one_step_per_call():
+    # sampled, a ragged batch whose first row meets an eos id mid-call, calls cut at the end of
+    # the context buckets (buckets from 16 positions: row 0 decodes positions 21..32)
+    model = load_model(GoldenSet(TINY))
+    prompts = [_prompt(21, 4), _prompt(9, 5)]
+    params, key = SamplingParams(temperature=1.0, top_k=50), jax.random.key(7)
+    runs, calls, traces = [], [], []
+    for steps in (1, 5):
+        gen = G.Generator(model, max_seq_len=512, min_context_bucket=16, decode_steps=steps)
+        decode, count = gen._decode, []
+        gen._decode = lambda *a, _d=decode, _c=count: _c.append(1) or _d(*a)
+        eos = () if steps == 1 else (runs[0].completions()[0][4],)
+        runs.append(gen.generate(prompts, 13, params, key, eos_ids=eos, return_logits=True))
+        calls.append(len(count))
+        traces.append(gen.traces["decode"])
+    one, many = runs
+    free = one.completions()
+    assert many.lengths.tolist() == [5, 13] and one.lengths.tolist() == [13, 13]  # row 0 stopped inside a call
+    assert many.completions() == [free[0][:5], free[1]]
+    np.testing.assert_array_equal(many.logits, one.logits)  # every step's, finished rows included
+    assert len(one.step_seconds) == len(many.step_seconds) == 12
+    # 12 steps from positions 21 (row 0): calls of 5, 5, 1 (bucket 32 ends), 1 (bucket 64)
+    assert calls == [12, 4]
+    assert traces == [2, 2]  # one program per context bucket (32, 64) whatever the steps per call
+
+
+def test_a_call_stops_on_the_device_once_every_row_has_finished():
+    gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=128, decode_steps=8)
+    prompt = _prompt(9, 7)
+    free = gen.generate([prompt], 8).completions()[0]
+    out = gen.generate([prompt], 8, eos_ids=(free[2],))
+    assert out.completions()[0] == free[: free.index(free[2]) + 1]
+    assert len(out.step_seconds) == free.index(free[2])  # steps the one call ran, not 7
+    with pytest.raises(ValueError, match="decode_steps"):
+        G.Generator(load_model(GoldenSet(TINY)), decode_steps=0)
