@@ -548,7 +548,9 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
                         profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo))
                     if (batch, context, path) in layers_for:
-                        layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path)
+                        layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path,
+                                       loop_steps)
+                    holder.clear()  # the closures above keep `holder`: let the next row reuse the cache's memory
                     del holder, cache, state
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory at 256 x 64k: record, go on
                     rep.add(name=name, batch=batch, context=context, seconds=None, bytes=by, flops=fl,
@@ -724,8 +726,11 @@ def _path_suffix(name: str) -> str:
     return "" if path == "fast" else f"_{path}"
 
 
-def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path):
-    """Each Block.decode as its own jitted call (inputs from a chained run), timed alone."""
+def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path, loop_steps=0):
+    """Each Block.decode as its own jitted call (inputs from a chained run), timed alone; with
+    `loop_steps`, also "... loop": the layer run that many times in one call (a `fori_loop`
+    carrying its cache, its input made to depend on the previous output as x + 0 * out so that
+    nothing is hoisted out of the loop), wall time per run: the layer without the host's dispatch."""
     from dsv41_jax.mhc import identity_pre_mix
 
     model = nnx.merge(graphdef, state)
@@ -753,6 +758,25 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
         by, fl = counts[i]
         rep.add(name=f"layer {path} {i} {ROLES[i]}", batch=b, context=int(pos[0]) + 1, seconds=t, bytes=by, flops=fl,
                 fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm")
+        if loop_steps:
+            def repeat(st, x, pre, shared, c, pos, gd=blk_gd):
+                def body(_, carry):
+                    x, c = carry
+                    out = nnx.merge(gd, st).decode(x, pre, shared, c, pos)
+                    return x + jnp.zeros((), x.dtype) * out[0], out[3]
+                return jax.lax.fori_loop(0, loop_steps, body, (x, c))
+
+            g = jax.jit(repeat, donate_argnums=(4,))
+            holder["c"] = g(blk_st, x, pre, shared, holder["c"], pos)[1]
+
+            def call_loop(g=g, blk_st=blk_st, x=x, pre=pre, shared=shared, holder=holder):
+                out = g(blk_st, x, pre, shared, holder["c"], pos)
+                holder["c"] = out[1]
+                return out[0]
+
+            t = timeit(call_loop, iters=3) / loop_steps
+            rep.add(name=f"layer {path} {i} {ROLES[i]} loop", batch=b, context=int(pos[0]) + 1, seconds=t, bytes=by,
+                    flops=fl, fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", steps_per_call=loop_steps)
         x, pre, shared, layers[i] = x2, pre2, shared2, holder["c"]
 
 
@@ -795,13 +819,22 @@ def prefill_section(rep, ceil, tiny, lengths, paths, profile_for=()):
 
 
 def _speedup(rep: Report, kind: str, batch: int, context: int):
-    got = {r["name"].split()[-1]: r for r in rep.rows
-           if r["name"] in (f"{kind} fast", f"{kind} reference") and r["batch"] == batch and r["context"] == context}
-    timed = len(got) == 2 and got["fast"].get("seconds") and got["reference"].get("seconds")
-    if timed and "speedup" not in got["fast"]:
+    """The "<kind> speed-up" row: reference over fast seconds, of the rows "<kind> fast" /
+    "<kind> reference" (`speedup`) and of their " loop" rows where both exist (`speedup_loop`)."""
+    def rows(suffix):
+        names = {f"{kind} fast{suffix}": "fast", f"{kind} reference{suffix}": "reference"}
+        got = {names[r["name"]]: r for r in rep.rows
+               if r["name"] in names and r["batch"] == batch and r["context"] == context}
+        return got if len(got) == 2 and got["fast"].get("seconds") and got["reference"].get("seconds") else None
+
+    got, loop = rows(""), rows(" loop")
+    if got and "speedup" not in got["fast"]:
         got["fast"]["speedup"] = round(got["reference"]["seconds"] / got["fast"]["seconds"], 2)
+        extra = {}
+        if loop:
+            extra["speedup_loop"] = loop["fast"]["speedup"] = round(loop["reference"]["seconds"] / loop["fast"]["seconds"], 2)
         rep.add(name=f"{kind} speed-up", batch=batch, context=context, seconds=None, bytes=0, flops=0,
-                fraction_of_ceiling=None, speedup=got["fast"]["speedup"])
+                fraction_of_ceiling=None, speedup=got["fast"]["speedup"], **extra)
 
 
 def _ints(s: str) -> list[int]:

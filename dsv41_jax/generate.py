@@ -7,9 +7,9 @@
 Compilation: one prefill program per (batch, prompt bucket) and one decode program per
 (batch, sampling settings, context bucket). The decode program runs up to `decode_steps` steps
 on the device (`jax.lax.while_loop`: step, sample, stop once every row has finished), so the host
-dispatches once per `decode_steps` tokens rather than once per token. Prompts are right-padded to a bucket (powers of two from 16, capped at
-max_seq_len) so a new prompt length usually reuses a program; each row keeps its own position, so
-a row's tokens equal those of running it alone.
+dispatches once per `decode_steps` tokens rather than once per token. Prompts are right-padded
+to a bucket (powers of two from 16, capped at max_seq_len) so a new prompt length usually reuses
+a program; each row keeps its own position, so a row's tokens equal those of running it alone.
 
 Meshes: `Generator(model, mesh=mesh)` places the state by the sharding rules (a no-op for a model
 restored onto that mesh by `load_converted`), creates the cache already split over `data` (a jit
