@@ -358,6 +358,8 @@ class Generator:
             pos = lengths.copy()
             step_seconds, first_call_steps = [], None
             eos = tuple(sorted({int(e) for e in eos_ids}))
+            eos_np = np.asarray(eos, np.int32)
+            key_data, impl = self._key_data(key)  # the calls fold in each step's index on the device
             # a call's logits buffer: at most MAX_CALL_LOGITS_BYTES (and one step at the least)
             logits_steps = (max(1, min(self.decode_steps, MAX_CALL_LOGITS_BYTES // (4 * b * a.vocab_size)))
                             if return_logits else 0)
@@ -371,16 +373,18 @@ class Generator:
                     n[live] += 1
                     if return_logits:
                         all_logits.append(logits_np[j].astype(np.float32)[:n_rows])
-                    done |= np.isin(toks[:, j], np.asarray(eos, np.int32)) if eos else False
+                    done |= np.isin(toks[:, j], eos_np)
                     t += 1
                 if done.all() or t >= steps:
                     break
                 top = int(pos.max())  # the next step writes positions pos; the bound covers the call
                 bound = context_bucket(top + 1, self.max_seq_len, self.min_context_bucket)
-                m = min(self.decode_steps, steps - t, *((logits_steps,) if return_logits else ()),
-                        *((bound - top,) if bound is not None else ()))
+                m = min(self.decode_steps, steps - t)  # >= 1 steps, ending at the call's bucket
+                if return_logits:
+                    m = min(m, logits_steps)
+                if bound is not None:
+                    m = min(m, bound - top)
                 t1 = time.perf_counter()
-                key_data, impl = self._key_data(key)
                 step_toks, tok, ran, step_logits, cache = self._decode(
                     self.state, tok, self._put("pos", pos), cache, self._put("done", done), key_data, np.int32(t),
                     np.int32(m), impl, params, bound, eos, logits_steps)
@@ -388,7 +392,7 @@ class Generator:
                 toks = np.asarray(step_toks)[:, :ran]
                 logits_np = _to_host(step_logits)[:ran] if return_logits else None
                 elapsed = time.perf_counter() - t1
-                step_seconds += [elapsed / max(ran, 1)] * ran
+                step_seconds += [elapsed / ran] * ran
                 first_call_steps = ran if first_call_steps is None else first_call_steps
                 pos = pos + ran
         n = n[:n_rows]
