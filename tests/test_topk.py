@@ -93,7 +93,7 @@ class TestKernelGPU(Base):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("width", [2048, 4096, 16384])
+@pytest.mark.parametrize("width", [2048, 4096, 16384, 32768, 65536])
 def test_kernel_equals_xla_top_k_on_gpu(width):
     """Compiled, on the model's score distribution (bf16 sums with ties and -inf columns): the
     kernel's rows are XLA:GPU's own top_k + sort, bit for bit."""
@@ -118,12 +118,38 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert "topk_positions" in jax.jit(f).trace(s).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_rows_wider_than_a_program_fall_back_with_a_warning(caplog):
+LOWEST = np.array([0xFFFF], np.uint16).view(ml_dtypes.bfloat16)[0]  # key -32768, the chunk padding's value
+
+
+# rows wider than one program: a padded last chunk (16385 = 2 x 8193 - 1, 40000 = 3 x 13334 - 2)
+# and the 64k context's widths (32768 and 65536 compressed positions: 2 and 4 chunks, no padding)
+@pytest.mark.parametrize("shape", [(2, 16385), (1, 40000), (2, 1, 32768), (1, 65536)])
+def test_rows_wider_than_a_program_run_in_chunks(shape, caplog):
+    s = tied_scores(np.random.default_rng(shape[-1]), shape, True)
+    s.reshape(-1)[5::97] = LOWEST
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels.topk.api"):
+        got = api.topk_positions(jnp.asarray(s), 512, implementation="pallas", interpret=True)
+    assert "does not handle" not in caplog.text
+    np.testing.assert_array_equal(np.asarray(got), oracle(s, 512))
+
+
+def test_chunk_padding_never_takes_a_real_lowest_score_s_place():
+    """Most of the row holds the lowest key itself (as the padding does): the k picks are the few
+    larger scores, then the lowest columns among the ties, never a padding column."""
+    width = kernel_gpu.MAX_WIDTH + 3  # two chunks of 8194 columns, one of padding
+    s = np.full((2, width), LOWEST)
+    s[:, [7, 8200, width - 1]] = np.array([1.0, -2.0, 3.0], ml_dtypes.bfloat16)
+    got = np.asarray(api.topk_positions(jnp.asarray(s), 300, implementation="pallas", interpret=True))
+    np.testing.assert_array_equal(got, oracle(s, 300))
+    assert np.all(got.max(axis=1) == width - 1) and np.all(np.count_nonzero(got > 8193, axis=1) == 2)
+
+
+def test_rows_whose_chunks_cannot_hold_k_fall_back_with_a_warning(caplog):
     s = tied_scores(np.random.default_rng(5), (1, kernel_gpu.MAX_WIDTH + 1), False)
     with caplog.at_level(logging.WARNING, logger="pallas_kernels.topk.api"):
-        got = api.topk_positions(jnp.asarray(s), 64, implementation="pallas", interpret=True)
-    assert "does not handle scores (1, 16385)" in caplog.text
-    np.testing.assert_array_equal(np.asarray(got), oracle(s, 64))
+        got = api.topk_positions(jnp.asarray(s), 9000, implementation="pallas", interpret=True)
+    assert "does not handle scores (1, 16385)" in caplog.text and "need k <= 8193" in caplog.text
+    np.testing.assert_array_equal(np.asarray(got), oracle(s, 9000))
 
 
 def test_f32_scores_fall_back_to_the_reference(caplog):

@@ -10,7 +10,8 @@ the first k - #(key > T) in column order (an inclusive cumsum of the ties): exac
 "score descending, column ascending" ranks first. A second cumsum gives each kept column its
 output slot, so the result is written already ascending. No sort, one launch per call.
 
-Padding lanes get a key below every real one, so they are never kept (k <= W).
+Padding lanes get a key below every real one, so they are never kept (k <= W). Rows wider than
+one program (MAX_WIDTH) run in chunks and then over the chunks' candidates (`_topk_in_chunks`).
 
 `router_topk` is the MoE gate's selection (a few of a few hundred experts, in rank order): one
 program per row takes the largest 32-bit total-order key k times (ties -> lower column), masking
@@ -90,11 +91,36 @@ def topk_positions(scores: jax.Array, k: int, *, num_warps: int | None, interpre
         raise NotImplementedError(f"bf16 scores only (16-bit keys), got {scores.dtype=}")
     if not 1 <= k <= width:
         raise NotImplementedError(f"k must be in [1, W={width}], got {k=}")
+    if width > MAX_WIDTH and r:
+        return _topk_in_chunks(scores, k, num_warps=num_warps, interpret=interpret)
     padded, warps = _row_program(r, width, MAX_WIDTH, num_warps, 512, 8)
     kernel = functools.partial(_kernel, width=width, padded=padded, k=k)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32), grid=(r,), interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1), name="topk_positions")(scores)
+
+
+def _topk_in_chunks(scores: jax.Array, k: int, *, num_warps: int | None, interpret: bool) -> jax.Array:
+    """Rows wider than one program: cut each row into c chunks of at most MAX_WIDTH columns, take
+    every chunk's top-k (candidates, ascending), then the top-k of the c * k candidates. A chunk
+    ranks its columns as the whole row does (key descending, column ascending), so the row's k
+    first are among its chunk's k first; the candidates stay in column order, so the second pass
+    breaks ties by column as the row does. The last chunk is padded with bf16 0xFFFF (key -32768,
+    the lowest) at the highest columns: a pad ranks below or after every real score, and a row has
+    >= k of those. Two launches of the row kernel and two gathers instead of a sort."""
+    r, width = scores.shape
+    c = -(-width // MAX_WIDTH)
+    chunk = -(-width // c)
+    if chunk < k or c * k > MAX_WIDTH:
+        raise NotImplementedError(f"rows of {width} columns: {c} chunks of {chunk} columns need k <= {chunk} and "
+                                  f"{c} x k <= {MAX_WIDTH} candidates, got {k=}")
+    if c * chunk > width:
+        lowest = jax.lax.bitcast_convert_type(jnp.full((r, c * chunk - width), 0xFFFF, jnp.uint16), jnp.bfloat16)
+        scores = jnp.concatenate([scores, lowest], axis=1)
+    local = topk_positions(scores.reshape(r * c, chunk), k, num_warps=num_warps, interpret=interpret)
+    cand = (local.reshape(r, c, k) + (jnp.arange(c, dtype=jnp.int32) * chunk)[None, :, None]).reshape(r, c * k)
+    pick = topk_positions(jnp.take_along_axis(scores, cand, axis=1), k, num_warps=num_warps, interpret=interpret)
+    return jnp.take_along_axis(cand, pick, axis=1)
 
 
 ROUTER_MAX_WIDTH = 4096  # experts one program holds in registers
