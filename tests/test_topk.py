@@ -93,7 +93,7 @@ class TestKernelGPU(Base):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("width", [2048, 4096, 16384, 32768, 65536])
+@pytest.mark.parametrize("width", [2048, 4096, 16384, 32768, 65536, 600000])
 def test_kernel_equals_xla_top_k_on_gpu(width):
     """Compiled, on the model's score distribution (bf16 sums with ties and -inf columns): the
     kernel's rows are XLA:GPU's own top_k + sort, bit for bit."""
@@ -144,11 +144,28 @@ def test_chunk_padding_never_takes_a_real_lowest_score_s_place():
     assert np.all(got.max(axis=1) == width - 1) and np.all(np.count_nonzero(got > 8193, axis=1) == 2)
 
 
+def test_candidates_wider_than_a_program_go_through_the_chunks_again(monkeypatch, caplog):
+    """Programs of 1024 columns and k = 64: 40000 columns -> 40 chunks -> 2560 candidates -> 3
+    chunks -> 192 -> one program: the oracle's picks (the same rounds hold rows above 524288
+    columns at the real width, k = 512)."""
+    monkeypatch.setattr(kernel_gpu, "MAX_WIDTH", 1024)
+    s = tied_scores(np.random.default_rng(8), (2, 40000), True)
+    s.reshape(-1)[3::89] = LOWEST
+    calls = []
+    row_kernel = kernel_gpu.topk_positions
+    monkeypatch.setattr(kernel_gpu, "topk_positions", lambda x, k, **kw: calls.append(x.shape) or row_kernel(x, k, **kw))
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels.topk.api"):
+        got = api.topk_positions(jnp.asarray(s), 64, implementation="pallas", interpret=True)
+    assert "does not handle" not in caplog.text
+    np.testing.assert_array_equal(np.asarray(got), oracle(s, 64))
+    assert calls == [(2, 40000), (80, 1000), (2, 2560), (6, 854), (2, 192)]
+
+
 def test_rows_whose_chunks_cannot_hold_k_fall_back_with_a_warning(caplog):
     s = tied_scores(np.random.default_rng(5), (1, kernel_gpu.MAX_WIDTH + 1), False)
     with caplog.at_level(logging.WARNING, logger="pallas_kernels.topk.api"):
         got = api.topk_positions(jnp.asarray(s), 9000, implementation="pallas", interpret=True)
-    assert "does not handle scores (1, 16385)" in caplog.text and "need k <= 8193" in caplog.text
+    assert "does not handle scores (1, 16385)" in caplog.text and "need k < 8193" in caplog.text
     np.testing.assert_array_equal(np.asarray(got), oracle(s, 9000))
 
 

@@ -6,8 +6,8 @@ GPU kernel: a threshold search, no sort), "auto" (the kernel on a GPU, the refer
 Both keep the columns of the k largest scores with ties to the lower column, in ascending column
 order; scores are ordered as IEEE total order (-0 below +0), as XLA:GPU's top_k orders them. A
 shape the kernel does not handle (non-bf16 scores; rows wider than `kernel_gpu.MAX_WIDTH` run in
-chunks, unless a chunk is narrower than k or the chunks' candidates exceed one row) falls back to
-the reference with a logged warning. On a mesh that splits `data` the kernel runs per
+chunks, unless a chunk holds no more than k columns) falls back to the reference with a logged
+warning. On a mesh that splits `data` the kernel runs per
 batch shard.
 
 `router_topk` is the MoE gate's selection: the k largest biased scores in rank order with the
