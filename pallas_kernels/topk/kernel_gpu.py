@@ -109,7 +109,8 @@ def _topk_in_chunks(scores: jax.Array, k: int, *, num_warps: int | None, interpr
     the lowest) at the highest columns: a pad ranks below or after every real score, and a row has
     >= k of those. Two launches of the row kernel and two gathers instead of a sort; candidates
     wider than one program (more than 32 chunks at k = 512: rows above 524288 columns) go through
-    the same steps again, each round at least halving the width (chunks hold > k columns)."""
+    the same steps again, each round narrowing the row (chunks hold more than k columns: 32x at
+    k = 512)."""
     r, width = scores.shape
     c = -(-width // MAX_WIDTH)
     chunk = -(-width // c)
