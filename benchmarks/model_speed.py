@@ -837,6 +837,17 @@ def _speedup(rep: Report, kind: str, batch: int, context: int):
                 fraction_of_ceiling=None, speedup=got["fast"]["speedup"], **extra)
 
 
+def _shapes(s: str) -> set[tuple[int, int, str]]:
+    """"BxT[:path],..." -> {(B, T, path)}, path "fast" where none is given."""
+    out = set()
+    for item in s.split(","):
+        if item:
+            shape, _, path = item.partition(":")
+            bb, tt = shape.split("x")
+            out.add((int(bb), int(tt), path or "fast"))
+    return out
+
+
 def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
@@ -880,19 +891,10 @@ def main(argv=None) -> int:
     for v in paths:
         if v not in PATHS:
             p.error(f"--paths: unknown path {v!r} ({', '.join(PATHS)})")
+    if ns.loop_steps < 0:
+        p.error(f"--loop-steps must be a number of steps >= 0 (0: off), got {ns.loop_steps}")
     sections = set(ns.sections.split(","))
-    layers_for = set()
-    for item in ns.layers_for.split(","):
-        if item:
-            shape, _, path = item.partition(":")
-            bb, tt = shape.split("x")
-            layers_for.add((int(bb), int(tt), path or "fast"))
-    profile_for = set()
-    for item in ns.profile_for.split(","):
-        if item:
-            shape, _, path = item.partition(":")
-            bb, tt = shape.split("x")
-            profile_for.add((int(bb), int(tt), path or "fast"))
+    layers_for, profile_for = _shapes(ns.layers_for), _shapes(ns.profile_for)
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "tiny": tiny, "layers": list(ROLES),

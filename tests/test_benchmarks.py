@@ -86,3 +86,10 @@ def test_tma_probe_kernel_lowers_for_cuda_and_checks_its_shapes():
     with pytest.raises(ValueError, match="block_k=128"):
         tma_probe.fp8_matmul_tma_persistent(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((128, 1280), jnp.float8_e4m3fn),
                                             jnp.zeros((4, 40), jnp.uint8), block_k=128)
+
+
+def test_negative_loop_steps_are_refused_with_the_flag_named(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        model_speed.main(["--out", str(tmp_path), "--tiny", "--loop-steps", "-1"])
+    assert e.value.code == 2 and "--loop-steps must be a number of steps >= 0" in capsys.readouterr().err
+    assert model_speed._shapes("1x4096,64x65536:reference,") == {(1, 4096, "fast"), (64, 65536, "reference")}
