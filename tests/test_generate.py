@@ -317,3 +317,36 @@ def test_a_call_stops_on_the_device_once_every_row_has_finished():
     assert len(out.step_seconds) == free.index(free[2])  # steps the one call ran, not 7
     with pytest.raises(ValueError, match="decode_steps"):
         G.Generator(load_model(GoldenSet(TINY)), decode_steps=0)
+
+
+def test_decode_compiles_its_loop_into_the_cuda_graph_on_gpus_unless_xla_flags_choose():
+    options = G.decode_compiler_options("gpu", xla_flags="--xla_allow_excess_precision=false")
+    assert options == {"xla_gpu_enable_command_buffer": G.DECODE_GPU_COMMAND_BUFFER}
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(G.DECODE_GPU_COMMAND_BUFFER.split(","))
+    assert G.decode_compiler_options("gpu", xla_flags="--xla_gpu_enable_command_buffer=") is None
+    assert G.decode_compiler_options("cpu", xla_flags="") is None
+    assert G.decode_compiler_options("tpu", xla_flags="") is None
+    # this XLA knows every command named (an unknown one fails the compile), and a loop's
+    # values do not depend on the option (CPU ignores it; the GPU test below runs the model)
+    loop = lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 3 + 1), (0, x))[1]
+    x = np.arange(4, dtype=np.float32)
+    compiled = jax.jit(loop).lower(x).compile(compiler_options=options)
+    np.testing.assert_array_equal(compiled(x), jax.jit(loop)(x))
+    with pytest.raises(Exception, match="not a valid enum value"):
+        jax.jit(loop).lower(x).compile(compiler_options={"xla_gpu_enable_command_buffer": "WHILE,NO_SUCH_COMMAND"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_decode_loop_in_the_cuda_graph_gives_the_tokens_and_logits_of_the_host_loop():
+    model = load_model(GoldenSet(TINY))
+    prompts = [_prompt(21, 4), _prompt(9, 5)]
+    params, key = SamplingParams(temperature=1.0, top_k=50), jax.random.key(7)
+    runs = []
+    for options in (G.decode_compiler_options("gpu", xla_flags=""), None):
+        gen = G.Generator(model, max_seq_len=512, min_context_bucket=16, decode_steps=5)
+        gen._decode = jax.jit(gen._decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
+                              compiler_options=options)
+        runs.append(gen.generate(prompts, 13, params, key, return_logits=True))
+    assert runs[0].completions() == runs[1].completions()
+    np.testing.assert_array_equal(runs[0].logits, runs[1].logits)
