@@ -66,9 +66,20 @@ MAX_CALL_LOGITS_BYTES = 1 << 30
 # XLA:GPU command-buffer commands of the decode program: XLA's default set plus WHILE and
 # CONDITIONAL, so the on-device loop runs inside one CUDA graph whose condition is evaluated on
 # the device instead of a host round trip each step. On an H200 (benchmarks/README.md, nineteenth
-# run; same process, 16 steps a call, same tokens): 1953 -> 1794 µs a step at batch 1, 4444 ->
-# 4245 at batch 8, 15684 -> 15743 at batch 64
+# run; same process, 16 steps a call, same tokens): 1955 -> 1794 µs a step at batch 1, 4443 ->
+# 4243 at batch 8, 15663 -> 15733 at batch 64 (within the rounds' spread)
 DECODE_GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+
+
+def decode_compiler_options(platform: str, xla_flags: str | None = None) -> dict[str, str] | None:
+    """XLA options the decode program compiles with: on GPUs `DECODE_GPU_COMMAND_BUFFER`, unless
+    XLA_FLAGS (`xla_flags`, default the environment's) sets xla_gpu_enable_command_buffer itself
+    (that choice wins: e.g. `--xla_gpu_enable_command_buffer=` for a driver without CUDA graph
+    conditional nodes); elsewhere none (None)."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    if platform != "gpu" or "xla_gpu_enable_command_buffer" in flags:
+        return None
+    return {"xla_gpu_enable_command_buffer": DECODE_GPU_COMMAND_BUFFER}
 
 
 def prompt_bucket(length: int, max_seq_len: int) -> int:
@@ -417,17 +428,6 @@ class Generator:
 
 
 # ------------------------------------------------------------------------------------------- CLI
-
-
-def decode_compiler_options(platform: str, xla_flags: str | None = None) -> dict[str, str] | None:
-    """XLA options the decode program compiles with: on GPUs `DECODE_GPU_COMMAND_BUFFER`, unless
-    XLA_FLAGS (`xla_flags`, default the environment's) sets xla_gpu_enable_command_buffer itself
-    (that choice wins: e.g. `--xla_gpu_enable_command_buffer=` for a driver without CUDA graph
-    conditional nodes); elsewhere none (None)."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    if platform != "gpu" or "xla_gpu_enable_command_buffer" in flags:
-        return None
-    return {"xla_gpu_enable_command_buffer": DECODE_GPU_COMMAND_BUFFER}
 
 
 def _is_converted(d: Path) -> bool:
