@@ -24,7 +24,9 @@ Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_cei
             step per call, calls back to back ("decode <path>") or each waited for before the
             next ("decode <path> synced", a host loop reading every token), and --loop-steps
             greedy steps in one call of `Generator`'s decode program ("decode <path> loop", wall
-            time per step: the host's dispatch paid once per call, as `Generator.generate` runs)
+            time per step: the host's dispatch paid once per call, as `Generator.generate` runs;
+            with --host-loop also "... loop (host loop)": that program with the loop's condition
+            tested by the host each step, as before it ran inside the CUDA graph)
   layers    the same step as one jitted call per layer (per-layer time by role)
   prefill   prefill of one prompt of S tokens (cache of S positions); its FLOPs count each
             layer at the positions it runs on (`prefill_counts`: replayed layers on a suffix)
@@ -488,14 +490,15 @@ def routed_experts(graphdef, state, ids, pos, cache, context_bound=None) -> tupl
 
 
 def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=(), cache_len=None,
-                   bound=True, measure_routing=False, loop_steps=0):
+                   bound=True, measure_routing=False, loop_steps=0, host_loop=False):
     """Decode rows. cache_len: the caches hold this many positions (default: the context); with
     `bound` the step gets the Generator's context bound (`generate.context_bucket`), so the
     indexers score only the rows the context can see, else every cached row. Rows record both.
     measure_routing: the row's bytes count the experts the step routes to (`routed_experts`, one
     extra compiled step) instead of the uniform-routing estimate, which is recorded beside.
     loop_steps: also time `Generator`'s decode program running this many greedy steps in one
-    call (positions context - 1 - loop_steps ... context - 2, so the same context bound)."""
+    call (positions context - 1 - loop_steps ... context - 2, so the same context bound); with
+    `host_loop` against the same program with the loop driven by the host (`loop_row`)."""
     for context in contexts:
         for batch in batches:
             for path in paths:
@@ -542,7 +545,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                             fraction_of_ceiling=by / ts / ceil["hbm"], ceiling="hbm", tokens_per_s=round(batch / ts, 1))
                     if loop_steps and context > loop_steps + 1:
                         loop_row(rep, ceil, name, graphdef, state, holder, ids, pos - loop_steps, context_bound,
-                                 loop_steps, batch, context, by, fl, tiny)
+                                 loop_steps, batch, context, by, fl, tiny, host_loop)
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
@@ -560,24 +563,51 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
 
 
 def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, steps, batch, context, by, fl,
-             tiny):
+             tiny, host_loop=False):
     """The row "<name> loop": `Generator`'s decode program (`Generator._decode`) running `steps`
-    greedy steps from positions `pos` in one call; seconds are the call's wall time over `steps`."""
-    gen = Generator(nnx.merge(graphdef, state), decode_steps=steps)
+    greedy steps from positions `pos` in one call; seconds are the call's wall time over `steps`.
+
+    host_loop: also the row "<name> loop (host loop)", the same program compiled with XLA's
+    default options (`Generator(decode_options={})`: the host tests the loop's condition each
+    step, where the default runs the loop inside the CUDA graph on GPUs). The two are timed in
+    three alternating rounds (each round's seconds kept as `rounds_s`, the row's the median), and
+    `tokens_equal` records whether their first calls, each from the same copy of the cache, gave
+    the same tokens."""
+    variants = [("loop", None)] + ([("loop (host loop)", {})] if host_loop else [])
     done = jnp.zeros(ids.shape, bool)
+    start = holder["cache"]
+    calls, compile_s, first = {}, {}, {}
+    for label, options in variants:
+        gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
 
-    def call():
-        toks, _, _, _, holder["cache"] = gen._decode(gen.state, ids, pos, holder["cache"], done, None, np.int32(0),
-                                                     np.int32(steps), None, SamplingParams(), context_bound, (), 0)
-        return toks
+        def call(gen=gen, cache=None):
+            toks, _, _, _, new = gen._decode(gen.state, ids, pos, holder["cache"] if cache is None else cache, done,
+                                             None, np.int32(0), np.int32(steps), None, SamplingParams(),
+                                             context_bound, (), 0)
+            holder["cache"] = new
+            return toks
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(call())
-    compile_s = time.perf_counter() - t0
-    t = timeit(call, iters=3 if not tiny else 1) / steps
-    rep.add(name=f"{name} loop", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
-            fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
-            tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound)
+        t0 = time.perf_counter()
+        if host_loop:  # each variant's first call from a copy of the same cache (the call donates it)
+            holder["cache"] = None
+            first[label] = np.asarray(call(cache=jax.tree.map(jnp.copy, start)))
+        else:
+            first[label] = np.asarray(call())
+        compile_s[label] = time.perf_counter() - t0
+        calls[label] = call
+    del start
+    times = {label: [] for label, _ in variants}
+    for _ in range(3 if host_loop else 1):
+        for label, _ in variants:
+            times[label].append(timeit(calls[label], iters=3 if not tiny else 1) / steps)
+    for label, _ in variants:
+        t = statistics.median(times[label])
+        extra = {}
+        if host_loop:
+            extra = {"rounds_s": times[label], "tokens_equal": bool(np.array_equal(first[label], first["loop"]))}
+        rep.add(name=f"{name} {label}", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
+                fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[label], 1),
+                tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **extra)
 
 
 def hlo_sources(hlo_text: str) -> dict:
@@ -880,6 +910,9 @@ def main(argv=None) -> int:
                    help="decode bytes from the experts each step routes to (default: uniform routing)")
     p.add_argument("--loop-steps", type=int, default=16,
                    help="decode rows also time this many steps in one call (Generator's program); 0: off")
+    p.add_argument("--host-loop", action="store_true",
+                   help="loop rows also time the decode program with XLA's default options (the host tests the "
+                        "loop's condition each step), in alternating rounds")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -919,7 +952,8 @@ def main(argv=None) -> int:
             for batch in batches:
                 ps = [v for v in paths if v != "reference" or (batch in ref_b and context in ref_ctx)]
                 decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for,
-                               ns.cache_len, not ns.no_context_bound, ns.measure_routing, ns.loop_steps)
+                               ns.cache_len, not ns.no_context_bound, ns.measure_routing, ns.loop_steps,
+                               ns.host_loop)
         if n_ctx == 0 and "prefill" in sections:
             for s_len in lengths:
                 prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre],

@@ -174,8 +174,10 @@ class Generator:
     their tokens, so per-token host dispatch (hundreds of µs for the model's state pytree) is paid
     once per call. Same tokens and logits as one step per call (1). A call stops at the end of its
     context bucket; with `return_logits` it also keeps its steps' logits on the device (f32
-    [steps, B, V]), at most `MAX_CALL_LOGITS_BYTES`. On GPUs the loop compiles into the step's
-    CUDA graph (`decode_compiler_options`).
+    [steps, B, V]), at most `MAX_CALL_LOGITS_BYTES`.
+    decode_options: XLA compiler options of the decode program. None: `decode_compiler_options`
+    (on GPUs the loop runs inside the step's CUDA graph); {}: XLA's defaults (the host tests the
+    loop's condition each step).
 
     `traces` counts how often each program was traced (= compiled): a test pins that decode
     compiles once per context bucket however many steps run.
@@ -184,7 +186,7 @@ class Generator:
     def __init__(self, model, *, max_seq_len: int | None = None, reference_compat: bool = False,
                  mesh: Mesh | None = None, rules: shd.Rules = shd.DEFAULT_RULES, pad_batch: bool = True,
                  prefill_chunk: int | None = None, min_context_bucket: int | None = MIN_CONTEXT_BUCKET,
-                 decode_steps: int = DECODE_STEPS):
+                 decode_steps: int = DECODE_STEPS, decode_options: Mapping[str, str] | None = None):
         if not isinstance(decode_steps, int) or decode_steps < 1:
             raise ValueError(f"decode_steps must be a positive number of steps per call, got {decode_steps!r}")
         self.decode_steps = decode_steps
@@ -202,8 +204,10 @@ class Generator:
         self.pad_batch = pad_batch
         self.graphdef, self.state = nnx.split(model)
         self.traces = {"prefill": 0, "decode": 0}
-        platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
-        decode_options = decode_compiler_options(platform)
+        if decode_options is None:
+            device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+            decode_options = decode_compiler_options(device.platform)
+        decode_options = dict(decode_options or {}) or None
         if mesh is None:
             self.data = 1
             self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))

@@ -93,3 +93,32 @@ def test_negative_loop_steps_are_refused_with_the_flag_named(tmp_path, capsys):
         model_speed.main(["--out", str(tmp_path), "--tiny", "--loop-steps", "-1"])
     assert e.value.code == 2 and "--loop-steps must be a number of steps >= 0" in capsys.readouterr().err
     assert model_speed._shapes("1x4096,64x65536:reference,") == {(1, 4096, "fast"), (64, 65536, "reference")}
+
+
+def test_host_loop_rows_run_both_decode_programs_in_alternating_rounds(tmp_path, monkeypatch):
+    # timeit replaced by a counter: what is checked is the rows, not a time
+    order = []
+
+    def fake_timeit(fn, **kw):
+        order.append(fn)
+        jax.block_until_ready(fn())
+        return 1e-3
+
+    monkeypatch.setattr(model_speed, "timeit", fake_timeit)
+    args = model_speed.bench_args(True, 2, 64, "auto")
+    graphdef, state = model_speed.random_model(args)
+    holder = {"cache": model_speed.seeded_cache(args, 2, 64)}
+    ids = jnp.asarray([5, 9], jnp.int32)
+    pos = holder["cache"]["seq_len"] - 4
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.loop_row(rep, {"hbm": 1e12}, "decode fast", graphdef, state, holder, ids, pos, None, 3, 2, 64,
+                         1e6, 1e9, True, host_loop=True)
+    rows = {r["name"]: r for r in rep.rows}
+    assert list(rows) == ["decode fast loop", "decode fast loop (host loop)"]
+    for r in rows.values():
+        assert r["rounds_s"] == [1e-3 / 3] * 3 and r["seconds"] == 1e-3 / 3 and r["steps_per_call"] == 3
+        assert r["tokens_equal"] is True  # on CPU the options change nothing; the H200 run records its own
+    assert len(order) == 6 and order[0] is not order[1] and order[0] is order[2]  # the variants alternate
+    model_speed.loop_row(rep, {"hbm": 1e12}, "decode fast", graphdef, state, holder, ids, pos, None, 3, 2, 64,
+                         1e6, 1e9, True)
+    assert rep.rows[-1]["name"] == "decode fast loop" and "rounds_s" not in rep.rows[-1] and len(order) == 7

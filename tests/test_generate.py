@@ -332,21 +332,24 @@ def test_decode_compiles_its_loop_into_the_cuda_graph_on_gpus_unless_xla_flags_c
     x = np.arange(4, dtype=np.float32)
     compiled = jax.jit(loop).lower(x).compile(compiler_options=options)
     np.testing.assert_array_equal(compiled(x), jax.jit(loop)(x))
+    bad = {"xla_gpu_enable_command_buffer": "WHILE,NO_SUCH_COMMAND"}
     with pytest.raises(Exception, match="not a valid enum value"):
-        jax.jit(loop).lower(x).compile(compiler_options={"xla_gpu_enable_command_buffer": "WHILE,NO_SUCH_COMMAND"})
+        jax.jit(loop).lower(x).compile(compiler_options=bad)
+    # Generator(decode_options=...) compiles the decode program with them (the bad one fails there)
+    gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=64, decode_options=bad)
+    with pytest.raises(Exception, match="not a valid enum value"):
+        gen.generate([_prompt(5)], 3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-def test_decode_loop_in_the_cuda_graph_gives_the_tokens_and_logits_of_the_host_loop(monkeypatch):
+def test_decode_loop_in_the_cuda_graph_gives_the_tokens_and_logits_of_the_host_loop():
     model = load_model(GoldenSet(TINY))
     prompts = [_prompt(21, 4), _prompt(9, 5)]
     params, key = SamplingParams(temperature=1.0, top_k=50), jax.random.key(7)
     runs = []
-    for host_loop in (False, True):
-        if host_loop:  # XLA's default command buffers: the loop's condition read by the host
-            monkeypatch.setattr(G, "decode_compiler_options", lambda platform: None)
-        gen = G.Generator(model, max_seq_len=512, min_context_bucket=16, decode_steps=5)
+    for options in (None, {}):  # the default (loop in the graph), XLA's defaults (host loop)
+        gen = G.Generator(model, max_seq_len=512, min_context_bucket=16, decode_steps=5, decode_options=options)
         runs.append(gen.generate(prompts, 13, params, key, return_logits=True))
     assert runs[0].completions() == runs[1].completions()
     np.testing.assert_array_equal(runs[0].logits, runs[1].logits)
