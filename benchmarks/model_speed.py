@@ -581,7 +581,7 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
         gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
 
         def call(gen=gen, cache=None):
-            toks, _, _, _, new = gen._decode(gen.state, ids, pos, holder["cache"] if cache is None else cache, done,
+            toks, _, _, _, new, _ = gen._decode(gen.state, ids, pos, holder["cache"] if cache is None else cache, done,
                                              None, np.int32(0), np.int32(steps), None, SamplingParams(),
                                              context_bound, (), 0)
             holder["cache"] = new

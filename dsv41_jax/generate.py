@@ -33,6 +33,7 @@ TPU pods), "off" never. Only process 0 prints and writes --logits-out.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -61,6 +62,7 @@ MIN_BUCKET = 16
 # two from this many positions; at and past max_seq_len the whole cache is scored
 MIN_CONTEXT_BUCKET = 4096
 # decode steps per call (`Generator.decode_steps`) and the most bytes a call keeps for its logits
+# (two calls may be in flight: `Generator.generate` dispatches the next before reading one)
 DECODE_STEPS = 32
 MAX_CALL_LOGITS_BYTES = 1 << 30
 # XLA:GPU command-buffer commands of the decode program: XLA's default set plus WHILE and
@@ -108,7 +110,9 @@ class GenerateOutput:
     lengths: np.ndarray  # int32 [B]: generated tokens per row (eos included)
     logits: np.ndarray | None  # f32 [steps, B, V] when requested
     prefill_seconds: float  # includes compilation on a first call
-    step_seconds: list[float]  # per decode step: its call's time over the steps the call ran
+    # per decode step: the time from reading the previous call's tokens (the prefill's for the
+    # first call) to reading its call's, over the steps the call ran
+    step_seconds: list[float]
     prompt_tokens: int
     first_call_steps: int = 1  # decode steps of the first call (its time includes compilation)
 
@@ -172,7 +176,8 @@ class Generator:
     decode_steps: decode steps per call: each call runs up to this many steps in one on-device loop
     (the sampled token fed back, stopping early once every row has met an eos id) and returns
     their tokens, so per-token host dispatch (hundreds of µs for the model's state pytree) is paid
-    once per call. Same tokens and logits as one step per call (1). A call stops at the end of its
+    once per call; the next call is dispatched before a call's tokens are read (from its tokens
+    and finished rows on the device), so that dispatch and the host's reading overlap the steps. Same tokens and logits as one step per call (1). A call stops at the end of its
     context bucket; with `return_logits` it also keeps its steps' logits on the device (f32
     [steps, B, V]), at most `MAX_CALL_LOGITS_BYTES`.
     decode_options: XLA compiler options of the decode program. None: `decode_compiler_options`
@@ -231,10 +236,12 @@ class Generator:
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
         self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,),
                                       out_shardings=(logits_sh, cache_sh))
-        # (tokens [B, steps], last tokens, steps run, logits [steps, B, V] or None, cache)
+        # (tokens [B, steps], last tokens, steps run, logits [steps, B, V] or None, cache, done
+        # [B]: as the next call takes it)
         step_logits_sh = NamedSharding(mesh, PartitionSpec(None, *logits_sh.spec))
+        done_sh = shd.activation_sharding("done", (self.data,), mesh, rules)
         self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
-                               out_shardings=(replicated, replicated, replicated, step_logits_sh, cache_sh),
+                               out_shardings=(replicated, replicated, replicated, step_logits_sh, cache_sh, done_sh),
                                compiler_options=decode_options)
         self._init_cache = jax.jit(lambda b: init_cache(self.args, b, self.max_seq_len), static_argnums=(0,),
                                    out_shardings=cache_sh)
@@ -302,7 +309,8 @@ class Generator:
         positions pos [B]; step j samples with fold_in(key, start + j). Stops early once every row
         is done (done bool [B] on entry; a row is done once it samples an eos id). Returns
         (tokens int32 [B, decode_steps] (-1 past the steps run), the last tokens int32 [B], the
-        steps run, f32 [logits_steps, B, V] logits of the steps or None, cache)."""
+        steps run, f32 [logits_steps, B, V] logits of the steps or None, cache, done bool [B] after
+        the steps run)."""
         self.traces["decode"] += 1
         model = nnx.merge(self.graphdef, state)
         base = self._wrap_key(key_data, impl)
@@ -325,8 +333,8 @@ class Generator:
 
         logits_out = jnp.zeros((logits_steps, b, self.args.vocab_size), jnp.float32) if logits_steps else None
         carry = (jnp.int32(0), tokens, pos, cache, done, jnp.full((b, width), -1, jnp.int32), logits_out)
-        j, tok, _, cache, _, out, logits_out = jax.lax.while_loop(cond, body, carry)
-        return out, tok, j, logits_out, cache
+        j, tok, _, cache, done, out, logits_out = jax.lax.while_loop(cond, body, carry)
+        return out, tok, j, logits_out, cache, done
 
     def _padded_batch(self, prompts: list[list[int]]) -> list[list[int]]:
         extra = -len(prompts) % self.data
@@ -392,6 +400,11 @@ class Generator:
             # the tokens (and logits) still to record: the prefill's token first
             toks = np.asarray(tok)[:, None] if steps > 0 else np.zeros((b, 0), np.int32)
             logits_np, t = _to_host(logits)[None] if return_logits else None, 0
+            # decode calls in flight, oldest first: (tokens, steps run, logits, steps asked); t_s /
+            # pos_s: tokens and positions once they have run, each counted at the steps it asked
+            # for (a call stops short only when every row is done, and then the host stops too)
+            in_flight, t_s, pos_s, done_dev = collections.deque(), t, pos, None
+            t_last = time.perf_counter()
             while True:
                 for j in range(toks.shape[1]):  # the tokens of the last call, in order
                     live = ~done
@@ -403,21 +416,30 @@ class Generator:
                     t += 1
                 if done.all() or t >= steps:
                     break
-                top = int(pos.max())  # the next step writes positions pos; the bound covers the call
-                bound = context_bucket(top + 1, self.max_seq_len, self.min_context_bucket)
-                m = min(self.decode_steps, steps - t)  # >= 1 steps, ending at the call's bucket
-                if return_logits:
-                    m = min(m, logits_steps)
-                if bound is not None:
-                    m = min(m, bound - top)
-                t1 = time.perf_counter()
-                step_toks, tok, ran, step_logits, cache = self._decode(
-                    self.state, tok, self._put("pos", pos), cache, self._put("done", done), key_data, np.int32(t),
-                    np.int32(m), impl, params, bound, eos, logits_steps)
+                if not in_flight:  # the first call starts from the host's state
+                    t_s, pos_s, done_dev = t, pos, self._put("done", done)
+                # the call after the one read next is dispatched before that read, from its
+                # outputs on the device (tokens, done), so the host's reading and dispatching
+                # overlap the device's steps; same calls, same arguments as one call at a time
+                while len(in_flight) < 2 and t_s < steps:
+                    top = int(pos_s.max())  # the call writes positions pos_s; the bound covers it
+                    bound = context_bucket(top + 1, self.max_seq_len, self.min_context_bucket)
+                    m = min(self.decode_steps, steps - t_s)  # >= 1 steps, ending at the call's bucket
+                    if return_logits:
+                        m = min(m, logits_steps)
+                    if bound is not None:
+                        m = min(m, bound - top)
+                    step_toks, tok, ran, step_logits, cache, done_dev = self._decode(
+                        self.state, tok, self._put("pos", pos_s), cache, done_dev, key_data, np.int32(t_s),
+                        np.int32(m), impl, params, bound, eos, logits_steps)
+                    in_flight.append((step_toks, ran, step_logits))
+                    t_s, pos_s = t_s + m, pos_s + m
+                step_toks, ran, step_logits = in_flight.popleft()
                 ran = int(ran)
                 toks = np.asarray(step_toks)[:, :ran]
                 logits_np = _to_host(step_logits)[:ran] if return_logits else None
-                elapsed = time.perf_counter() - t1
+                now = time.perf_counter()
+                elapsed, t_last = now - t_last, now
                 step_seconds += [elapsed / ran] * ran
                 first_call_steps = ran if first_call_steps is None else first_call_steps
                 pos = pos + ran

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import GOLDEN_ROOT
 from dsv41_jax import generate as G
+from dsv41_jax.cache import init_cache
 from dsv41_jax.parity import GoldenSet, load_model
 from dsv41_jax.sampling import SamplingParams
 
@@ -353,3 +354,49 @@ def test_decode_loop_in_the_cuda_graph_gives_the_tokens_and_logits_of_the_host_l
         runs.append(gen.generate(prompts, 13, params, key, return_logits=True))
     assert runs[0].completions() == runs[1].completions()
     np.testing.assert_array_equal(runs[0].logits, runs[1].logits)
+
+
+def test_the_next_decode_call_is_dispatched_before_a_calls_tokens_are_read():
+    gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=128, decode_steps=2)
+    decode, log = gen._decode, []
+
+    class Ran:  # the steps-run output of call k: reading it is reading the call's results
+        def __init__(self, value, k):
+            self.value, self.k = value, k
+
+        def __int__(self):
+            log.append(("read", self.k))
+            return int(self.value)
+
+    def logged(*args):
+        k = sum(event == "call" for event, _ in log)
+        log.append(("call", k))
+        out = decode(*args)
+        return (*out[:2], Ran(out[2], k), *out[3:])
+
+    gen._decode = logged
+    prompt = _prompt(9, 7)
+    out = gen.generate([prompt], 7, return_logits=True)  # the prefill's token, then 3 calls of 2 steps
+    assert log == [("call", 0), ("call", 1), ("read", 0), ("call", 2), ("read", 1), ("read", 2)]
+    one = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=128, decode_steps=1)
+    alone = one.generate([prompt], 7, return_logits=True)
+    assert out.completions() == alone.completions() and len(out.step_seconds) == 6
+    np.testing.assert_array_equal(out.logits, alone.logits)
+
+
+def test_generate_equals_a_host_loop_of_single_decode_steps():
+    # greedy decoding written out without Generator: prefill, then one jitted decode step per token
+    model = load_model(GoldenSet(TINY))
+    prompt = _prompt(13, 8)
+    out = G.Generator(model, max_seq_len=128, decode_steps=3).generate([prompt], 8, return_logits=True)
+    ids = np.zeros((1, 16), np.int32)
+    ids[0, :13] = prompt
+    logits, cache = jax.jit(model.prefill)(ids, np.asarray([13], np.int32), init_cache(model.args, 1, 128))
+    step = jax.jit(lambda tok, pos, cache: model.decode_step(tok, pos, cache))
+    want_logits, toks = [np.asarray(logits[0])], [int(np.argmax(logits[0]))]
+    for pos in range(13, 20):
+        logits, cache = step(np.asarray(toks[-1:], np.int32), np.asarray([pos], np.int32), cache)
+        want_logits.append(np.asarray(logits[0]))
+        toks.append(int(np.argmax(logits[0])))
+    assert out.completions()[0] == toks
+    np.testing.assert_array_equal(out.logits[:, 0], np.stack(want_logits))
