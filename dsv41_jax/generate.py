@@ -400,9 +400,9 @@ class Generator:
             # the tokens (and logits) still to record: the prefill's token first
             toks = np.asarray(tok)[:, None] if steps > 0 else np.zeros((b, 0), np.int32)
             logits_np, t = _to_host(logits)[None] if return_logits else None, 0
-            # decode calls in flight, oldest first: (tokens, steps run, logits, steps asked); t_s /
-            # pos_s: tokens and positions once they have run, each counted at the steps it asked
-            # for (a call stops short only when every row is done, and then the host stops too)
+            # decode calls in flight, oldest first: (tokens, steps run, logits); t_s / pos_s: tokens
+            # and positions once they have run, each counted at the steps it asked for (a call
+            # stops short only when every row is done, and then the host stops too)
             in_flight, t_s, pos_s, done_dev = collections.deque(), t, pos, None
             t_last = time.perf_counter()
             while True:
