@@ -575,7 +575,7 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
     the same tokens."""
     variants = [("loop", None)] + ([("loop (host loop)", {})] if host_loop else [])
     done = jnp.zeros(ids.shape, bool)
-    start = holder["cache"]
+    start = holder["cache"] if host_loop else None  # each variant's first call starts from a copy
     calls, compile_s, first = {}, {}, {}
     for label, options in variants:
         gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
@@ -588,7 +588,7 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
             return toks
 
         t0 = time.perf_counter()
-        if host_loop:  # each variant's first call from a copy of the same cache (the call donates it)
+        if host_loop:  # (the call donates its cache)
             holder["cache"] = None
             first[label] = np.asarray(call(cache=jax.tree.map(jnp.copy, start)))
         else:

@@ -357,7 +357,8 @@ def test_decode_loop_in_the_cuda_graph_gives_the_tokens_and_logits_of_the_host_l
 
 
 def test_the_next_decode_call_is_dispatched_before_a_calls_tokens_are_read():
-    gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=128, decode_steps=2)
+    model = load_model(GoldenSet(TINY))
+    gen = G.Generator(model, max_seq_len=128, decode_steps=2)
     decode, log = gen._decode, []
 
     class Ran:  # the steps-run output of call k: reading it is reading the call's results
@@ -378,7 +379,7 @@ def test_the_next_decode_call_is_dispatched_before_a_calls_tokens_are_read():
     prompt = _prompt(9, 7)
     out = gen.generate([prompt], 7, return_logits=True)  # the prefill's token, then 3 calls of 2 steps
     assert log == [("call", 0), ("call", 1), ("read", 0), ("call", 2), ("read", 1), ("read", 2)]
-    one = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=128, decode_steps=1)
+    one = G.Generator(model, max_seq_len=128, decode_steps=1)
     alone = one.generate([prompt], 7, return_logits=True)
     assert out.completions() == alone.completions() and len(out.step_seconds) == 6
     np.testing.assert_array_equal(out.logits, alone.logits)
