@@ -69,6 +69,8 @@ CASES = {
     "one_row": (1, 128, 256, {}),
     "one_row_tensor_cores": (1, 128, 256, {"one_row": False}),
     "one_row_k_split": (1, 64, 512, {"k_splits": 2}),
+    "one_row_scaled_per_element": (1, 128, 256, {"one_row_group_sums": False}),
+    "one_row_group_sums_k_split": (1, 64, 512, {"k_splits": 2, "block_k": 128}),
     "odd_rows_k_split": (5, 64, 512, {"k_splits": 2}),
     "rows_across_m_blocks": (37, 96, 256, {"block_m": 16, "block_n": 32}),
     "released_wq_a_one_row": (1, 1280, 5120, {}),
@@ -131,18 +133,20 @@ def test_bit_decode_of_every_e4m3_code():
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # bits, so -0 counts
 
 
-@pytest.mark.parametrize(("decode", "k_splits", "n_w", "groups", "block_m"),
-                         [("native", 1, 1, 1, 16), ("bits", 1, 1, 1, 16), ("native", 4, 1, 1, 16),
-                          ("bits", 4, 1, 1, 16), ("native", 4, 2, 1, 16), ("native", 2, 1, 4, 16),
-                          ("native", 1, 1, 1, 1), ("native", 4, 2, 1, 1), ("native", 2, 1, 4, 1)])
-def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w, groups, block_m):
+@pytest.mark.parametrize(("decode", "k_splits", "n_w", "groups", "block_m", "group_sums"),
+                         [("native", 1, 1, 1, 16, False), ("bits", 1, 1, 1, 16, False), ("native", 4, 1, 1, 16, False),
+                          ("bits", 4, 1, 1, 16, False), ("native", 4, 2, 1, 16, False), ("native", 2, 1, 4, 16, False),
+                          ("native", 1, 1, 1, 1, False), ("native", 4, 2, 1, 1, False), ("native", 2, 1, 4, 1, False),
+                          ("native", 1, 1, 1, 1, True), ("native", 4, 2, 1, 1, True), ("bits", 2, 1, 4, 1, True)])
+def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w, groups, block_m, group_sums):
     """The Pallas -> Triton lowering runs without a GPU (cross-platform lowering); n_w matrices
-    in one launch, or one grouped matrix; tensor-core tiles or one row (block_m 1)."""
+    in one launch, or one grouped matrix; tensor-core tiles or one row (block_m 1), its products
+    scaled per element or per 32-long run (group_sums)."""
     x, w, s, _, _ = make(np.random.default_rng(0), 8 if block_m > 1 else 1, 256, 2048)
     x = jnp.tile(x, (1, groups))
     f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
         x, (w,) * n_w, (s,) * n_w, block_m=block_m, block_n=64, block_k=256, k_splits=k_splits, num_warps=4,
-        num_stages=3, decode=decode, interpret=False, groups=groups)
+        num_stages=3, decode=decode, interpret=False, groups=groups, group_sums=group_sums)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
 
@@ -378,18 +382,20 @@ def test_in_kernel_quantiser_equals_act_quant_bf16(dtype):
         assert np.all(got[0, 33:64] != np.asarray(x[0, 33:64], np.float32))  # every tie moved to a grid point
 
 
-@pytest.mark.parametrize(("dtype", "n_w", "k_splits"), [(jnp.bfloat16, 1, 1), (jnp.float32, 2, 2)])
-def test_one_row_linear_quantising_in_the_kernel_equals_the_quantiser_launch(dtype, n_w, k_splits):
+@pytest.mark.parametrize(("dtype", "n_w", "k_splits", "group_sums"),
+                         [(jnp.bfloat16, 1, 1, False), (jnp.float32, 2, 2, False), (jnp.float32, 2, 2, True)])
+def test_one_row_linear_quantising_in_the_kernel_equals_the_quantiser_launch(dtype, n_w, k_splits, group_sums):
     """`linear_many` at one row (interpret): the kernel quantising its own x tiles gives the same
     outputs, bit for bit, as `act_quant_bf16` followed by the kernel (K splits and two matrices
-    in one launch included); two rows never take the in-kernel quantiser."""
+    in one launch included; products scaled per element or per 32-long run); two rows never take
+    the in-kernel quantiser."""
     rng = np.random.default_rng(22)
     x = jnp.asarray(_quantiser_inputs(rng, 512), dtype)
     mats = [make(rng, 1, n, 512)[1:3] for n in (64, 96)[:n_w]]
     ws, ss = tuple(w for w, _ in mats), tuple(s for _, s in mats)
     outs = {}
     for q in (False, True):
-        bs = api.BlockSizes(quantise_one_row=q, k_splits=k_splits, block_n=32)
+        bs = api.BlockSizes(quantise_one_row=q, k_splits=k_splits, block_n=32, one_row_group_sums=group_sums)
         outs[q] = api.linear_many(x, ws, ss, implementation="pallas", interpret=True, block_sizes=bs)
     for a, b, (w, s) in zip(outs[False], outs[True], mats, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -397,7 +403,7 @@ def test_one_row_linear_quantising_in_the_kernel_equals_the_quantiser_launch(dty
     for bad in (np.nan, np.inf, -np.inf):  # a non-finite x makes every output NaN on both paths
         xb = x.at[0, 100].set(bad)
         for q in (False, True):
-            bs = api.BlockSizes(quantise_one_row=q, k_splits=k_splits, block_n=32)
+            bs = api.BlockSizes(quantise_one_row=q, k_splits=k_splits, block_n=32, one_row_group_sums=group_sums)
             outs_bad = api.linear_many(xb, ws, ss, implementation="pallas", interpret=True, block_sizes=bs)
             assert all(np.all(np.isnan(np.asarray(o, np.float32))) for o in outs_bad)
     with pytest.raises(NotImplementedError, match="in-kernel quantiser takes one"):
@@ -413,3 +419,24 @@ def test_in_kernel_quantiser_lowers_to_triton_for_cuda(dtype):
         decode="native", interpret=False, quantise=True)
     text = jax.jit(f).trace(x.astype(dtype), w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
+
+
+def test_one_row_group_sums_against_per_element_scales_and_the_oracle():
+    """One row, scale bytes over 60 binades (weights 2^-67 .. 2^-8 times the codes): summing
+    each 32-long run of unscaled products before its scale multiplies it stays within the oracle's
+    bound and matches per-element scaling in nearly every output (only the fp32 sums' order
+    differs; interpret mode). Tensor-core tiles refuse it."""
+    rng = np.random.default_rng(31)
+    x, w, _, w_np, _ = make(rng, 1, 256, 1024)
+    s_np = rng.integers(60, 120, (8, 32), dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    s = jnp.asarray(s_np)
+    outs = {}
+    for gs in (False, True):
+        bs = api.BlockSizes(one_row_group_sums=gs, k_splits=2)
+        outs[gs] = api.fp8_matmul(x, w, s, implementation="pallas", interpret=True, block_sizes=bs)
+        check_oracle(outs[gs], x, np_dense(w_np, s_np))
+    same = float(np.mean(ulps(outs[True], outs[False]) == 0))
+    assert same >= 0.97, same
+    with pytest.raises(NotImplementedError, match="group_sums is the one-row"):
+        kernel_gpu.fp8_matmul_many(jnp.tile(x, (2, 1)), (w,), (s,), block_m=16, block_n=64, block_k=256, k_splits=1,
+                                   num_warps=4, num_stages=3, decode="native", interpret=True, group_sums=True)

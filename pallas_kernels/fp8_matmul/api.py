@@ -51,6 +51,10 @@ class BlockSizes:
       quantises each x tile it loads, kernel_gpu's docstring) instead of a launch of its own
       (same values; on the H200 a layer's eight projections 72.1 against 89.0 µs of device
       time, benchmarks/README.md, sixteenth run).
+    one_row_group_sums: with block_m 1, each 32-long run of a column's unscaled products is summed
+      and then multiplied by its block's scale (kernel_gpu's docstring) instead of scaling every
+      weight element before the sum (on the H200 a layer's eight projections 67.7 against 71.1 µs
+      of device time, `wq_b` 14.2 against 15.5; benchmarks/README.md, twentieth run).
     k_splits: programs sharing one output block's K range (their fp32 partials are then added);
       None picks the fewest that give `target_programs` programs.
     num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
@@ -68,6 +72,7 @@ class BlockSizes:
     target_programs: int = 264  # two per SM of an H100/H200
     one_row: bool = True
     quantise_one_row: bool = True
+    one_row_group_sums: bool = True
 
     def resolved(self, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes:
         """Tiles for m rows times [n, k] (n a tuple: several matrices in one launch, block_n
@@ -114,7 +119,8 @@ def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False)
         outs = kernel_gpu.fp8_matmul_many(x if quantise else x.astype(jnp.bfloat16), tuple(ws), tuple(ss),
                                           block_m=bs.block_m, block_n=bs.block_n, block_k=bs.block_k,
                                           k_splits=bs.k_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
-                                          decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise)
+                                          decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise,
+                                          group_sums=bs.one_row_group_sums and bs.block_m == 1)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)

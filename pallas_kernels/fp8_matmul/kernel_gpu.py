@@ -23,6 +23,11 @@ would be padding); each program multiplies the widened, scaled weight tile by th
 element in fp32 (exact products, as the tensor cores form them) and sums each output column's
 products, so the decoded tile never goes through shared memory into the MMA layout.
 
+With "group_sums" (one row only) each 32-long run of a column's unscaled products w * x (one
+weight scale block) is summed first and the run's sum multiplied by the block's scale, then the
+runs are added: a power-of-two scale commutes with every fp32 rounding (outside the subnormal
+range), so this is the same sum in another order, with one multiply a weight element fewer.
+
 With "quantise" (one row only) the kernel takes the row before the activation quantiser (bf16 or
 fp32) and applies it to each x tile it loads: per 32 elements amax = max(max|x|, 1e-4), scale
 s = 2^ceil(log2(amax * fp32(1/448))), x / s clamped to +-448 and rounded to the e4m3 grid (ties to
@@ -92,7 +97,7 @@ def _act_quant_row(x: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
-            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool):
+            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool, group_sums: bool):
     # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K);
     # then per weight t: w_ref [N_t, K] e4m3 ("native") or int8 ("bits"), then
     # s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16 or [splits, M, N_t] fp32 when split.
@@ -105,6 +110,9 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
     rows = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_k), 0)
     dims = (((1,), (1,)), ((), ()))
 
+    def e8m0_wide(sb):  # [bn/32, bk/32] scale bytes -> fp32 [bn, bk], one scale per 32 x 32 block
+        return jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
+
     def one_block(w_ref, s_ref, o_ref, n0):
         x0 = 0 if group_cols is None else (n0 // group_cols) * k
 
@@ -114,12 +122,15 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
                             other=0.0)
             wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
             sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
-            sf = jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
             wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
             if block_m == 1:  # one row: exact fp32 products on the CUDA cores, summed per column
                 xf = _act_quant_row(xb) if quantise else xb.astype(jnp.float32)
-                return acc + jnp.sum((wf * sf) * xf, axis=1)[None, :]
-            wv = (wf * sf).astype(jnp.bfloat16)  # exact
+                if group_sums:  # each 32-long run of unscaled products summed, then times its scale
+                    runs = jnp.sum((wf * xf).reshape(block_n, sk, QBLOCK), axis=2)  # [bn, bk/32]
+                    s_runs = jnp.broadcast_to(e8m0_f32(sb)[:, None, :], (sn, QBLOCK, sk)).reshape(block_n, sk)
+                    return acc + jnp.sum(runs * s_runs, axis=1)[None, :]
+                return acc + jnp.sum((wf * e8m0_wide(sb)) * xf, axis=1)[None, :]
+            wv = (wf * e8m0_wide(sb)).astype(jnp.bfloat16)  # exact
             return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -152,7 +163,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, groups: int = 1, **t
 
 def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
                     block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
-                    interpret: bool, groups: int = 1, quantise: bool = False) -> tuple[jax.Array, ...]:
+                    interpret: bool, groups: int = 1, quantise: bool = False,
+                    group_sums: bool = False) -> tuple[jax.Array, ...]:
     """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
     ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
     it. The grid's column blocks run through the matrices in order; every output column is
@@ -162,6 +174,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     `groups` G > 1: one matrix, x [M, G*K], output column n reading group n // (N/G) of x.
     `quantise`: x [1, K] bf16 or fp32 before the activation quantiser, applied in the kernel
     (block_m 1, no groups; module docstring).
+    `group_sums`: one row (block_m 1) with each 32-long run of products summed before its
+    scale multiplies it (module docstring).
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     m = x.shape[0]
@@ -172,6 +186,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     if quantise and (block_m != 1 or groups != 1 or x.dtype not in (jnp.bfloat16, jnp.float32)):
         raise NotImplementedError(f"the in-kernel quantiser takes one bf16 or fp32 row (block_m 1, no groups), got "
                                   f"{block_m=} {groups=} {x.dtype=}")
+    if group_sums and block_m != 1:
+        raise NotImplementedError(f"group_sums is the one-row (block_m 1) product sum, got {block_m=}")
     if x.dtype != jnp.bfloat16 and not quantise:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
     if not ws or len(ws) != len(ss):
@@ -209,7 +225,7 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     kernel = functools.partial(_kernel, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
                                k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks,
                                group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k,
-                               quantise=quantise)
+                               quantise=quantise, group_sums=group_sums)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
