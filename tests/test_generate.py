@@ -322,13 +322,21 @@ def test_a_call_stops_on_the_device_once_every_row_has_finished():
 
 def test_decode_compiles_its_loop_into_the_cuda_graph_on_gpus_unless_xla_flags_choose():
     options = G.decode_compiler_options("gpu", xla_flags="--xla_allow_excess_precision=false")
-    assert options == {"xla_gpu_enable_command_buffer": G.DECODE_GPU_COMMAND_BUFFER}
+    assert options == {"xla_gpu_enable_command_buffer": G.DECODE_GPU_COMMAND_BUFFER,
+                       "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
     assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(G.DECODE_GPU_COMMAND_BUFFER.split(","))
-    assert G.decode_compiler_options("gpu", xla_flags="--xla_gpu_enable_command_buffer=") is None
+    # an option XLA_FLAGS sets is left to it, the other still applies
+    assert G.decode_compiler_options("gpu", xla_flags="--xla_gpu_enable_command_buffer=") == {
+        "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert G.decode_compiler_options("gpu", xla_flags="--xla_gpu_command_buffer_scheduling_mode=LHS") == {
+        "xla_gpu_enable_command_buffer": G.DECODE_GPU_COMMAND_BUFFER}
+    assert G.decode_compiler_options("gpu", xla_flags="--xla_gpu_enable_command_buffer= "
+                                     "--xla_gpu_command_buffer_scheduling_mode=LHS") is None
     assert G.decode_compiler_options("cpu", xla_flags="") is None
     assert G.decode_compiler_options("tpu", xla_flags="") is None
-    # this XLA knows every command named (an unknown one fails the compile), and a loop's
-    # values do not depend on the option (CPU ignores it; the GPU test below runs the model)
+    # this XLA knows every command and the scheduling mode named (an unknown one fails the
+    # compile), and a loop's values do not depend on the options (CPU ignores them; the GPU test
+    # below runs the model)
     loop = lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 3 + 1), (0, x))[1]
     x = np.arange(4, dtype=np.float32)
     compiled = jax.jit(loop).lower(x).compile(compiler_options=options)
@@ -336,6 +344,8 @@ def test_decode_compiles_its_loop_into_the_cuda_graph_on_gpus_unless_xla_flags_c
     bad = {"xla_gpu_enable_command_buffer": "WHILE,NO_SUCH_COMMAND"}
     with pytest.raises(Exception, match="not a valid enum value"):
         jax.jit(loop).lower(x).compile(compiler_options=bad)
+    with pytest.raises(Exception, match="NO_SUCH_MODE"):
+        jax.jit(loop).lower(x).compile(compiler_options={"xla_gpu_command_buffer_scheduling_mode": "NO_SUCH_MODE"})
     # Generator(decode_options=...) compiles the decode program with them (the bad one fails there)
     gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=64, decode_options=bad)
     with pytest.raises(Exception, match="not a valid enum value"):
@@ -349,7 +359,7 @@ def test_decode_loop_in_the_cuda_graph_gives_the_tokens_and_logits_of_the_host_l
     prompts = [_prompt(21, 4), _prompt(9, 5)]
     params, key = SamplingParams(temperature=1.0, top_k=50), jax.random.key(7)
     runs = []
-    for options in (None, {}):  # the default (loop in the graph), XLA's defaults (host loop)
+    for options in (None, {}):  # the default (loop in the graph, kernels concurrent), XLA's (host loop)
         gen = G.Generator(model, max_seq_len=512, min_context_bucket=16, decode_steps=5, decode_options=options)
         runs.append(gen.generate(prompts, 13, params, key, return_logits=True))
     assert runs[0].completions() == runs[1].completions()
