@@ -26,7 +26,11 @@ Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_cei
             greedy steps in one call of `Generator`'s decode program ("decode <path> loop", wall
             time per step: the host's dispatch paid once per call, as `Generator.generate` runs;
             with --host-loop also "... loop (host loop)": that program with the loop's condition
-            tested by the host each step, as before it ran inside the CUDA graph)
+            tested by the host each step, as before it ran inside the CUDA graph); with
+            --generate-steps N also `Generator.generate` itself, end to end as a user runs it
+            ("decode <path> generate": prefill of random prompts making the first of N new tokens,
+            the rest from its pipelined calls of --loop-steps steps; seconds per step over the
+            calls after the first)
   layers    the same step as one jitted call per layer (per-layer time by role)
   prefill   prefill of one prompt of S tokens (cache of S positions); its FLOPs count each
             layer at the positions it runs on (`prefill_counts`: replayed layers on a suffix)
@@ -490,7 +494,8 @@ def routed_experts(graphdef, state, ids, pos, cache, context_bound=None) -> tupl
 
 
 def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=(), cache_len=None,
-                   bound=True, measure_routing=False, loop_steps=0, host_loop=False):
+                   bound=True, measure_routing=False, loop_steps=0, host_loop=False, generate_steps=0,
+                   generate_batches=(1, 8)):
     """Decode rows. cache_len: the caches hold this many positions (default: the context); with
     `bound` the step gets the Generator's context bound (`generate.context_bucket`), so the
     indexers score only the rows the context can see, else every cached row. Rows record both.
@@ -498,7 +503,9 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
     extra compiled step) instead of the uniform-routing estimate, which is recorded beside.
     loop_steps: also time `Generator`'s decode program running this many greedy steps in one
     call (positions context - 1 - loop_steps ... context - 2, so the same context bound); with
-    `host_loop` against the same program with the loop driven by the host (`loop_row`)."""
+    `host_loop` against the same program with the loop driven by the host (`loop_row`).
+    generate_steps: for batches in `generate_batches`, also `Generator.generate` making this many
+    tokens (the prefill's, then calls of `loop_steps` (16 when 0) steps: `generate_row`)."""
     for context in contexts:
         for batch in batches:
             for path in paths:
@@ -554,7 +561,11 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                         layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path,
                                        loop_steps)
                     holder.clear()  # the closures above keep `holder`: let the next row reuse the cache's memory
-                    del holder, cache, state
+                    del holder, cache
+                    if generate_steps and batch in generate_batches:  # (the Generator allocates its own cache)
+                        generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len_row, generate_steps,
+                                     loop_steps or 16, by, fl)
+                    del state
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory at 256 x 64k: record, go on
                     rep.add(name=name, batch=batch, context=context, seconds=None, bytes=by, flops=fl,
                             fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -608,6 +619,54 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
         rep.add(name=f"{name} {label}", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                 fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[label], 1),
                 tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **extra)
+
+
+def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, new_tokens, steps_per_call, by, fl,
+                 seed: int = 5, repeats: int = 2):
+    """The row "<name> generate": `Generator.generate` end to end, as a user runs it (prefill,
+    then its pipelined decode calls of `steps_per_call` greedy steps each), making `new_tokens`
+    tokens for `batch` random prompts of context - new_tokens - 1 tokens, in a Generator with its
+    own cache of `cache_len` positions. One untimed call compiles, then the fastest of `repeats`
+    calls is kept. seconds: wall time per decode step over the calls after the first
+    (`GenerateOutput.decode_tokens_per_second`: the first call's steps include waiting for the
+    prefill); `prefill_s` is that call's prefill. Returns (prompts, the kept call's output), or
+    None where the row is skipped (printed): a prompt of < 1 token, or no decode call after the
+    first (new_tokens - 1 <= steps_per_call; the prefill makes the first token). An exception
+    (e.g. out of memory) is recorded as the row's `error`."""
+    row = f"{name} generate"
+    prompt_len = context - new_tokens - 1
+    if prompt_len < 1:
+        print(f"{row}: skipped at batch {batch}, context {context}: prompts of context - {new_tokens} - 1 = "
+              f"{prompt_len} tokens (--generate-steps too large for the context)", flush=True)
+        return None
+    if new_tokens - 1 <= steps_per_call:
+        print(f"{row}: skipped: of {new_tokens} new tokens the prefill makes one and {new_tokens - 1} decode steps "
+              f"the rest, all in the first call ({steps_per_call} steps), whose time is not counted; needs "
+              f"--generate-steps > {steps_per_call + 1}", flush=True)
+        return None
+    try:
+        gen = Generator(nnx.merge(graphdef, state), max_seq_len=cache_len, decode_steps=steps_per_call)
+        vocab = gen.args.vocab_size
+        prompts = np.random.default_rng(seed).integers(0, vocab, (batch, prompt_len)).tolist()
+        t0 = time.perf_counter()
+        gen.generate(prompts, new_tokens)
+        compile_s = time.perf_counter() - t0
+        best, t = None, float("inf")
+        for _ in range(repeats):
+            out = gen.generate(prompts, new_tokens)
+            t_out = batch / out.decode_tokens_per_second()
+            if best is None or t_out < t:
+                best, t = out, t_out
+        rep.add(name=row, batch=batch, context=context, seconds=t, bytes=by, flops=fl,
+                fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
+                tokens_per_s=round(batch / t, 1), steps_per_call=steps_per_call, new_tokens=new_tokens,
+                prompt_len=prompt_len, prefill_s=best.prefill_seconds, cache_len=cache_len)
+        return prompts, best
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
+        rep.add(name=row, batch=batch, context=context, seconds=None, bytes=by, flops=fl, fraction_of_ceiling=None,
+                error=f"{type(e).__name__}: {str(e)[:300]}")
+        traceback.print_exc(limit=3)
+        return None
 
 
 def hlo_sources(hlo_text: str) -> dict:
@@ -909,10 +968,17 @@ def main(argv=None) -> int:
     p.add_argument("--measure-routing", action="store_true",
                    help="decode bytes from the experts each step routes to (default: uniform routing)")
     p.add_argument("--loop-steps", type=int, default=16,
-                   help="decode rows also time this many steps in one call (Generator's program); 0: off")
+                   help="decode rows also time this many steps in one call (Generator's program); 0: off. "
+                        "Also the steps per call of the generate rows (16 when 0)")
     p.add_argument("--host-loop", action="store_true",
                    help="loop rows also time the decode program with XLA's default options (the host tests the "
                         "loop's condition each step), in alternating rounds")
+    p.add_argument("--generate-steps", type=int, default=0,
+                   help="decode rows also time Generator.generate making this many tokens (prefill of random "
+                        "prompts of context - N - 1 tokens, then its pipelined calls); seconds per step over the "
+                        "calls after the first, so N must exceed the steps per call + 1; 0: off")
+    p.add_argument("--generate-batches", default="1,8",
+                   help="decode batches that get the generate row (its prefill of batch x context tokens must fit)")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -926,6 +992,12 @@ def main(argv=None) -> int:
             p.error(f"--paths: unknown path {v!r} ({', '.join(PATHS)})")
     if ns.loop_steps < 0:
         p.error(f"--loop-steps must be a number of steps >= 0 (0: off), got {ns.loop_steps}")
+    if ns.generate_steps < 0:
+        p.error(f"--generate-steps must be a number of tokens >= 0 (0: off), got {ns.generate_steps}")
+    if 0 < ns.generate_steps <= (ns.loop_steps or 16) + 1:
+        p.error(f"--generate-steps {ns.generate_steps}: its {ns.generate_steps - 1} decode steps (the prefill makes "
+                f"the first token) all run in the first call of {ns.loop_steps or 16} steps (--loop-steps), whose "
+                f"time the row excludes; use more than {(ns.loop_steps or 16) + 1}, or 0 for off")
     sections = set(ns.sections.split(","))
     layers_for, profile_for = _shapes(ns.layers_for), _shapes(ns.profile_for)
     dev = jax.devices()[0]
@@ -953,7 +1025,7 @@ def main(argv=None) -> int:
                 ps = [v for v in paths if v != "reference" or (batch in ref_b and context in ref_ctx)]
                 decode_section(rep, ceil, tiny, [batch], [context], ps, layers_for, profile_for,
                                ns.cache_len, not ns.no_context_bound, ns.measure_routing, ns.loop_steps,
-                               ns.host_loop)
+                               ns.host_loop, ns.generate_steps, set(_ints(ns.generate_batches)))
         if n_ctx == 0 and "prefill" in sections:
             for s_len in lengths:
                 prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre],
