@@ -9,6 +9,7 @@ length of the reduction. The compiled-GPU classes are marked `gpu` and skip with
 from __future__ import annotations
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -428,6 +429,40 @@ class TestAttnGpuBf16Probs(AttnBase):
     block_sizes = attn_api.BlockSizes(split_probs=False)
     exact_probs = False
     extras = False
+
+
+@pytest.mark.parametrize("accumulate", ["f64", "f32"])
+def test_reference_in_query_chunks_equals_one_pass_bit_for_bit(accumulate):
+    """`reference.sparse_attn` with a gather budget below one pass runs the queries in sequential
+    chunks (here 7 queries in chunks of 3, 3 and 1 padded to 3) and gives the one-pass outputs bit
+    for bit, rows without a valid index included; the lowered chunked program holds no tensor of
+    the accumulation dtype above the budget, where the one-pass program holds the whole gather."""
+    from pallas_kernels.sparse_attention import reference as ref
+    rng = np.random.default_rng(3)
+    b, m, h, d, n, k = 2, 7, 16, 64, 40, 24
+    q, kv = _bf16(rng, (b, m, h, d), 1.0), _bf16(rng, (b, n, d), 1.0)
+    idx = _idx_random(b, m, n, k, 0.3, rng)
+    idx[1, 4] = -1
+    idx = jnp.asarray(idx.astype(np.int32))
+    sink = jnp.asarray(rng.uniform(-1, 3, size=h), jnp.float32)
+    item = 8 if accumulate == "f64" else 4
+    budget = 3 * b * k * d * item  # three queries' gathered rows
+    one = ref.sparse_attn(q, kv, sink, idx, d ** -0.5, accumulate=accumulate)
+    chunked = ref.sparse_attn(q, kv, sink, idx, d ** -0.5, accumulate=accumulate, max_gather_bytes=budget)
+    assert chunked.shape == (b, m, h, d) and chunked.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(one, np.float32))
+    assert not np.any(np.asarray(one[1, 4], np.float32))  # no valid index: zeros
+
+    def largest(max_gather_bytes):
+        with jax.enable_x64(True):
+            text = jax.jit(ref.sparse_attn, static_argnames=("scale", "accumulate", "max_gather_bytes")).lower(
+                q, kv, sink, idx, scale=d ** -0.5, accumulate=accumulate,
+                max_gather_bytes=max_gather_bytes).as_text()
+        dims = [np.prod([int(v) for v in t.split("x")]) for t in re.findall(rf"tensor<([0-9x]+)x{accumulate}>", text)]
+        return max(dims) * item
+
+    assert largest(budget) <= budget
+    assert largest(ref.GATHER_BYTES) == b * m * k * d * item
 
 
 # ==================================================================== dispatch and validation

@@ -31,9 +31,14 @@ def _attend(q, g, valid, sink, scale, dtype):
     return jnp.where(jnp.any(valid, axis=-1)[:, :, None, None], out, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "accumulate"))
+# the most bytes of gathered rows (in the accumulation dtype) one pass holds; longer query spans
+# run in sequential chunks of queries (`sparse_attn`)
+GATHER_BYTES = 1 << 30
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "accumulate", "max_gather_bytes"))
 def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Array, scale: float,
-                accumulate: str = "f64") -> jax.Array:
+                accumulate: str = "f64", max_gather_bytes: int = GATHER_BYTES) -> jax.Array:
     """Single-KV-head attention over gathered positions; K and V are the same vectors.
 
     q bf16 [b, m, h, d]; kv bf16 [b, n, d]; attn_sink f32 [h]; idx int32 [b, m, k] (positions into
@@ -46,7 +51,10 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
     accumulate: "f64" (default) computes in float64 (64-bit types enabled locally) like the golden
     oracle, so the single rounding to bf16 matches it exactly; "f32" flips about 1 in 10^4 output
     roundings, which the fp8 quantisation of the next projection can amplify to O(1e-1) in a block
-    output. Gathers every listed row, so memory is O(b*m*k*d).
+    output. Gathers every listed row: b * k * d values a query position in `accumulate`'s dtype
+    (a 4096-token prefill of 8 rows at k = 640, d = 512: 80 GiB in float64), so queries run in
+    sequential chunks (`jax.lax.map`) whose gathered rows stay within `max_gather_bytes`; each
+    query's arithmetic is the same in any chunk.
     """
     b, m, h, d = q.shape
     if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != d:
@@ -57,6 +65,24 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
         raise ValueError(f"attn_sink must be [h={h}], got {attn_sink.shape}")
     if accumulate not in _ACCUMULATE:
         raise ValueError(f"accumulate must be one of {sorted(_ACCUMULATE)}, got {accumulate!r}")
+    k = idx.shape[-1]
+    per_query = b * k * d * jnp.dtype(_ACCUMULATE[accumulate]).itemsize
+    n_chunks = -(-m * per_query // max(max_gather_bytes, 1))
+    if n_chunks <= 1:
+        return _sparse_attn(q, kv, attn_sink, idx, scale, accumulate)
+    c = -(-m // n_chunks)  # queries a chunk
+    n_chunks = -(-m // c)
+    pad = n_chunks * c - m  # padded queries list no index (-1) and are dropped
+    qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n_chunks, c, h, d).swapaxes(0, 1)
+    ic = jnp.pad(idx, ((0, 0), (0, pad), (0, 0)), constant_values=-1).reshape(b, n_chunks, c, k).swapaxes(0, 1)
+    out = jax.lax.map(lambda a: _sparse_attn(a[0], kv, attn_sink, a[1], scale, accumulate), (qc, ic))
+    return out.swapaxes(0, 1).reshape(b, n_chunks * c, h, d)[:, :m]
+
+
+def _sparse_attn(q, kv, attn_sink, idx, scale, accumulate):
+    """`sparse_attn` on one span of queries: gather, attend in `accumulate`, round to bf16."""
+    b, m = idx.shape[:2]
+    d = q.shape[-1]
     valid = idx >= 0
     k = idx.shape[-1]
     # gather [b, m*k, d]: one row of kv per (query, slot)
