@@ -755,8 +755,31 @@ def _save_hlo(rep, name: str, text: str):
     (rep.out / f"hlo_{name}.txt.gz").write_bytes(gzip.compress(text.encode()))
 
 
+def kernel_totals(events) -> tuple[int, int, dict, dict]:
+    """GPU kernel events (name, start_ns, duration_ns) -> (the sum of their durations, the time at
+    least one of them runs: the union of their intervals, ns per op name, launches per op name).
+    Kernels that overlap (a CUDA graph scheduled concurrently) count in full in the sum and once
+    in the union."""
+    per_op: dict = {}
+    launches: dict = {}
+    total = busy = 0
+    end = None
+    for op, start, dur in sorted(events, key=lambda e: e[1]):
+        total += dur
+        per_op[op] = per_op.get(op, 0) + dur
+        launches[op] = launches.get(op, 0) + 1
+        if end is None or start >= end:
+            busy += dur
+            end = start + dur
+        elif start + dur > end:
+            busy += start + dur - end
+            end = start + dur
+    return total, busy, per_op, launches
+
+
 def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None):
-    """Device time of one call from a jax.profiler trace: the total over the GPU stream lines,
+    """Device time of one call from a jax.profiler trace: the total over the GPU stream lines
+    (`busy_s`: the time any kernel runs, which is less where kernels overlap; `kernel_totals`),
     and the ops taking the most time (XLA op names; Pallas kernels by their names). With
     `sources` (`hlo_sources`), also the time per emitting source line, and every op's time,
     launches and source in profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json
@@ -774,21 +797,12 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
         if not files:
             return
         data = jax.profiler.ProfileData.from_file(files[0])
-        per_op: dict = {}
-        launches: dict = {}
-        stream_ns = 0
-        for plane in data.planes:
-            if "gpu" not in plane.name.lower():
-                continue
-            for line in plane.lines:
-                if not line.name.lower().startswith("stream"):
-                    continue
-                for ev in line.events:
-                    stream_ns += ev.duration_ns
-                    per_op[ev.name] = per_op.get(ev.name, 0) + ev.duration_ns
-                    launches[ev.name] = launches.get(ev.name, 0) + 1
+        events = [(ev.name, ev.start_ns, ev.duration_ns) for plane in data.planes if "gpu" in plane.name.lower()
+                  for line in plane.lines if line.name.lower().startswith("stream") for ev in line.events]
+    stream_ns, busy_ns, per_op, launches = kernel_totals(events)
     rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / reps, bytes=0,
-            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / reps))
+            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / reps),
+            busy_s=busy_ns * 1e-9 / reps)
     for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
         rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0, flops=0,
                 fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3))

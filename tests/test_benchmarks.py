@@ -160,3 +160,13 @@ def test_bad_generate_steps_are_refused_with_the_flag_named(tmp_path, capsys, fl
     with pytest.raises(SystemExit) as e:
         model_speed.main(["--out", str(tmp_path), "--tiny", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_kernel_totals_count_overlapping_kernels_in_full_and_their_union_once():
+    from benchmarks.model_speed import kernel_totals
+    # a: [0, 10); b: [5, 12) overlaps a; a again: [20, 25); c: [21, 22) inside it
+    events = [("a", 20, 5), ("b", 5, 7), ("a", 0, 10), ("c", 21, 1)]
+    total, busy, per_op, launches = kernel_totals(events)
+    assert total == 23 and busy == 12 + 5
+    assert per_op == {"a": 15, "b": 7, "c": 1} and launches == {"a": 2, "b": 1, "c": 1}
+    assert kernel_totals([]) == (0, 0, {}, {})
