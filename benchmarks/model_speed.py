@@ -552,7 +552,8 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                             fraction_of_ceiling=by / ts / ceil["hbm"], ceiling="hbm", tokens_per_s=round(batch / ts, 1))
                     if loop_steps and context > loop_steps + 1:
                         loop_row(rep, ceil, name, graphdef, state, holder, ids, pos - loop_steps, context_bound,
-                                 loop_steps, batch, context, by, fl, tiny, host_loop)
+                                 loop_steps, batch, context, by, fl, tiny, host_loop,
+                                 profile=(batch, context, path) in profile_for)
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
@@ -574,7 +575,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
 
 
 def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, steps, batch, context, by, fl,
-             tiny, host_loop=False):
+             tiny, host_loop=False, profile=False):
     """The row "<name> loop": `Generator`'s decode program (`Generator._decode`) running `steps`
     greedy steps from positions `pos` in one call; seconds are the call's wall time over `steps`.
 
@@ -583,13 +584,14 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
     step, where the default runs the loop inside the CUDA graph on GPUs). The two are timed in
     three alternating rounds (each round's seconds kept as `rounds_s`, the row's the median), and
     `tokens_equal` records whether their first calls, each from the same copy of the cache, gave
-    the same tokens."""
+    the same tokens. profile: also `profile_rows` of the loop program (per step: "<name> loop
+    device time" and profile_decode_<B>x<T>_loop.json, its sources from the program's HLO)."""
     variants = [("loop", None)] + ([("loop (host loop)", {})] if host_loop else [])
     done = jnp.zeros(ids.shape, bool)
     start = holder["cache"] if host_loop else None  # each variant's first call starts from a copy
-    calls, compile_s, first = {}, {}, {}
+    calls, compile_s, first, gens = {}, {}, {}, {}
     for label, options in variants:
-        gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
+        gen = gens[label] = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
 
         def call(gen=gen, cache=None):
             toks, _, _, _, new, _ = gen._decode(gen.state, ids, pos, holder["cache"] if cache is None else cache, done,
@@ -619,6 +621,12 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
         rep.add(name=f"{name} {label}", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                 fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[label], 1),
                 tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **extra)
+    if profile:
+        gen = gens["loop"]
+        hlo = gen._decode.lower(gen.state, ids, pos, holder["cache"], done, None, np.int32(0), np.int32(steps), None,
+                                SamplingParams(), context_bound, (), 0).compile().as_text()
+        _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name + ' loop')}", hlo)
+        profile_rows(rep, calls["loop"], f"{name} loop", batch, context, top=24, sources=hlo_sources(hlo), steps=steps)
 
 
 def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, new_tokens, steps_per_call, by, fl,
@@ -777,15 +785,19 @@ def kernel_totals(events) -> tuple[int, int, dict, dict]:
     return total, busy, per_op, launches
 
 
-def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None):
+def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None,
+                 steps: int = 1):
     """Device time of one call from a jax.profiler trace: the total over the GPU stream lines
     (`busy_s`: the time any kernel runs, which is less where kernels overlap; `kernel_totals`),
     and the ops taking the most time (XLA op names; Pallas kernels by their names). With
     `sources` (`hlo_sources`), also the time per emitting source line, and every op's time,
     launches and source in profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json
-    (and the optimized HLO, gzipped, beside it)."""
+    (and the optimized HLO, gzipped, beside it). `steps`: decode steps one call runs (the loop
+    program); every figure is per step."""
     import glob
     import tempfile
+
+    per = reps * steps  # calls traced x steps a call
 
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as tmp:
@@ -800,11 +812,11 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
         events = [(ev.name, ev.start_ns, ev.duration_ns) for plane in data.planes if "gpu" in plane.name.lower()
                   for line in plane.lines if line.name.lower().startswith("stream") for ev in line.events]
     stream_ns, busy_ns, per_op, launches = kernel_totals(events)
-    rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / reps, bytes=0,
-            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / reps),
-            busy_s=busy_ns * 1e-9 / reps)
+    rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / per, bytes=0,
+            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / per),
+            busy_s=busy_ns * 1e-9 / per)
     for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
-        rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0, flops=0,
+        rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / per, bytes=0, flops=0,
                 fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3))
     if sources is None:
         return
@@ -814,19 +826,21 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
         t, n = by_src.get(src, (0, 0))
         by_src[src] = (t + ns, n + launches[op])
     for src, (ns, n) in sorted(by_src.items(), key=lambda kv: -kv[1][0])[:top]:
-        rep.add(name=f"  src {src[:58]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0,
+        rep.add(name=f"  src {src[:58]}", batch=batch, context=context, seconds=ns * 1e-9 / per, bytes=0,
                 flops=0, fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
-                launches_per_step=round(n / reps))
-    table = [{"op": op, "us_per_step": round(ns / reps / 1e3, 2), "launches_per_step": launches[op] / reps,
+                launches_per_step=round(n / per))
+    table = [{"op": op, "us_per_step": round(ns / per / 1e3, 2), "launches_per_step": launches[op] / per,
               "source": _source_of(sources, op)} for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
     tag = name.split()[0]  # "decode" / "prefill"
     (rep.out / f"profile_{tag}_{batch}x{context}{_path_suffix(name)}.json").write_text(json.dumps(table, indent=1))
 
 
 def _path_suffix(name: str) -> str:
-    """"" for a fast-path row ("decode fast"), else "_<path>", so profiles of two paths do not collide."""
-    path = name.split()[-1]
-    return "" if path == "fast" else f"_{path}"
+    """"" for a fast-path row ("decode fast"), else "_<path>", and "_loop" after it for the loop
+    program ("decode fast loop"), so profiles of two paths or programs do not collide."""
+    words = name.split()
+    path = words[1] if len(words) > 1 else ""
+    return ("" if path == "fast" else f"_{path}") + ("_loop" if words[-1] == "loop" else "")
 
 
 def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path, loop_steps=0):

@@ -122,6 +122,22 @@ def test_host_loop_rows_run_both_decode_programs_in_alternating_rounds(tmp_path,
     model_speed.loop_row(rep, {"hbm": 1e12}, "decode fast", graphdef, state, holder, ids, pos, None, 3, 2, 64,
                          1e6, 1e9, True)
     assert rep.rows[-1]["name"] == "decode fast loop" and "rounds_s" not in rep.rows[-1] and len(order) == 7
+    # profile=True profiles the loop program per step, its kernels named from that program's HLO
+    seen = []
+    monkeypatch.setattr(model_speed, "profile_rows", lambda rep, call, name, b, t, **kw: seen.append((call, name, kw)))
+    model_speed.loop_row(rep, {"hbm": 1e12}, "decode fast", graphdef, state, holder, ids, pos, None, 3, 2, 64,
+                         1e6, 1e9, True, profile=True)
+    (call, name, kw), = seen
+    assert call is order[-1] and name == "decode fast loop" and kw["steps"] == 3
+    assert any(src.startswith(("moe.py", "attention.py")) for src in kw["sources"].values())
+    assert (tmp_path / "hlo_decode_2x64_loop.txt.gz").exists()
+
+
+def test_profile_file_names_keep_paths_and_programs_apart():
+    names = ["decode fast", "decode fast loop", "decode reference", "decode reference loop", "prefill fast",
+             "decode fast-f32 loop"]
+    suffixes = [model_speed._path_suffix(n) for n in names]
+    assert suffixes == ["", "_loop", "_reference", "_reference_loop", "", "_fast-f32_loop"]
 
 
 def test_generate_row_times_generator_generate_and_records_its_tokens(tmp_path, capsys):
