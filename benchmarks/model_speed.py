@@ -64,7 +64,7 @@ from flax import nnx
 
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
-from dsv41_jax.generate import Generator, context_bucket
+from dsv41_jax.generate import Generator, context_bucket, decode_compiler_options
 from dsv41_jax.model import Transformer, replay_start, replay_width
 from dsv41_jax.sampling import SamplingParams
 
@@ -847,7 +847,8 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
     """Each Block.decode as its own jitted call (inputs from a chained run), timed alone; with
     `loop_steps`, also "... loop": the layer run that many times in one call (a `fori_loop`
     carrying its cache, its input made to depend on the previous output as x + 0 * out so that
-    nothing is hoisted out of the loop), wall time per run: the layer without the host's dispatch."""
+    nothing is hoisted out of the loop; compiled with `Generator`'s decode options), wall time per
+    run: the layer without the host's dispatch."""
     from dsv41_jax.mhc import identity_pre_mix
 
     model = nnx.merge(graphdef, state)
@@ -883,7 +884,9 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
                     return x + jnp.zeros((), x.dtype) * out[0], out[3]
                 return jax.lax.fori_loop(0, loop_steps, body, (x, c))
 
-            g = jax.jit(repeat, donate_argnums=(4,))
+            # compiled as Generator compiles its decode loop (the loop in the CUDA graph, kernels
+            # scheduled concurrently on GPUs)
+            g = jax.jit(repeat, donate_argnums=(4,), compiler_options=decode_compiler_options(jax.default_backend()))
             holder["c"] = g(blk_st, x, pre, shared, holder["c"], pos)[1]
 
             def call_loop(g=g, blk_st=blk_st, x=x, pre=pre, shared=shared, holder=holder):
