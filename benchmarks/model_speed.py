@@ -587,6 +587,11 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
     the same tokens. profile: also `profile_rows` of the loop program (per step: "<name> loop
     device time" and profile_decode_<B>x<T>_loop.json, its sources from the program's HLO)."""
     variants = [("loop", None)] + ([("loop (host loop)", {})] if host_loop else [])
+
+    def decode_args(gen, cache):  # one call of `steps` greedy steps from `pos`
+        return (gen.state, ids, pos, cache, done, None, np.int32(0), np.int32(steps), None, SamplingParams(),
+                context_bound, (), 0)
+
     done = jnp.zeros(ids.shape, bool)
     start = holder["cache"] if host_loop else None  # each variant's first call starts from a copy
     calls, compile_s, first, gens = {}, {}, {}, {}
@@ -594,9 +599,7 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
         gen = gens[label] = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
 
         def call(gen=gen, cache=None):
-            toks, _, _, _, new, _ = gen._decode(gen.state, ids, pos, holder["cache"] if cache is None else cache, done,
-                                             None, np.int32(0), np.int32(steps), None, SamplingParams(),
-                                             context_bound, (), 0)
+            toks, _, _, _, new, _ = gen._decode(*decode_args(gen, holder["cache"] if cache is None else cache))
             holder["cache"] = new
             return toks
 
@@ -623,8 +626,7 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
                 tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **extra)
     if profile:
         gen = gens["loop"]
-        hlo = gen._decode.lower(gen.state, ids, pos, holder["cache"], done, None, np.int32(0), np.int32(steps), None,
-                                SamplingParams(), context_bound, (), 0).compile().as_text()
+        hlo = gen._decode.lower(*decode_args(gen, holder["cache"])).compile().as_text()
         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name + ' loop')}", hlo)
         profile_rows(rep, calls["loop"], f"{name} loop", batch, context, top=24, sources=hlo_sources(hlo), steps=steps)
 
@@ -662,9 +664,8 @@ def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, ne
         best, t = None, float("inf")
         for _ in range(repeats):
             out = gen.generate(prompts, new_tokens)
-            t_out = batch / out.decode_tokens_per_second()
-            if best is None or t_out < t:
-                best, t = out, t_out
+            if batch / out.decode_tokens_per_second() < t:
+                best, t = out, batch / out.decode_tokens_per_second()
         rep.add(name=row, batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                 fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s, 1),
                 tokens_per_s=round(batch / t, 1), steps_per_call=steps_per_call, new_tokens=new_tokens,
@@ -1025,10 +1026,11 @@ def main(argv=None) -> int:
         p.error(f"--loop-steps must be a number of steps >= 0 (0: off), got {ns.loop_steps}")
     if ns.generate_steps < 0:
         p.error(f"--generate-steps must be a number of tokens >= 0 (0: off), got {ns.generate_steps}")
-    if 0 < ns.generate_steps <= (ns.loop_steps or 16) + 1:
+    per_call = ns.loop_steps or 16  # decode steps a call of the generate rows
+    if 0 < ns.generate_steps <= per_call + 1:
         p.error(f"--generate-steps {ns.generate_steps}: its {ns.generate_steps - 1} decode steps (the prefill makes "
-                f"the first token) all run in the first call of {ns.loop_steps or 16} steps (--loop-steps), whose "
-                f"time the row excludes; use more than {(ns.loop_steps or 16) + 1}, or 0 for off")
+                f"the first token) all run in the first call of {per_call} steps (--loop-steps), whose "
+                f"time the row excludes; use more than {per_call + 1}, or 0 for off")
     sections = set(ns.sections.split(","))
     layers_for, profile_for = _shapes(ns.layers_for), _shapes(ns.profile_for)
     dev = jax.devices()[0]

@@ -188,11 +188,12 @@ class Generator:
     their tokens, so per-token host dispatch (hundreds of µs for the model's state pytree) is paid
     once per call; the next call is dispatched before a call's tokens are read (from its tokens
     and finished rows on the device), so that dispatch and the host's reading overlap the steps.
-    Same tokens and logits as one step per call (1). A call stops at the end of its context bucket; with `return_logits` it also keeps its steps' logits on the device (f32
-    [steps, B, V]), at most `MAX_CALL_LOGITS_BYTES`.
+    Same tokens and logits as one step per call (1). A call stops at the end of its context
+    bucket; with `return_logits` it also keeps its steps' logits on the device (f32 [steps, B, V]),
+    at most `MAX_CALL_LOGITS_BYTES`.
     decode_options: XLA compiler options of the decode program. None: `decode_compiler_options`
-    (on GPUs the loop runs inside the step's CUDA graph); {}: XLA's defaults (the host tests the
-    loop's condition each step).
+    (on GPUs the loop runs inside the step's CUDA graph, its kernels scheduled concurrently); {}:
+    XLA's defaults (the host tests the loop's condition each step).
 
     `traces` counts how often each program was traced (= compiled): a test pins that decode
     compiles once per context bucket however many steps run.
