@@ -60,9 +60,9 @@ def linear_bytes(m: int, k: int, n: int) -> float:
 
 
 def parse_variant(text: str) -> api.BlockSizes:
-    """"bn=64/bk=256/w=4/st=3/ks=2/q=0/gs=1" -> BlockSizes (unnamed fields keep their defaults)."""
+    """"bn=64/bk=256/w=4/st=3/ks=2/q=0/gs=1/tp=528" -> BlockSizes (unnamed fields keep their defaults)."""
     names = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "ks": "k_splits", "w": "num_warps",
-             "st": "num_stages", "q": "quantise_one_row", "gs": "one_row_group_sums"}
+             "st": "num_stages", "q": "quantise_one_row", "gs": "one_row_group_sums", "tp": "target_programs"}
     kw = {names[k]: bool(int(v)) if k in ("q", "gs") else int(v) for k, v in (p.split("=") for p in text.split("/") if p)}
     return api.BlockSizes(**kw)
 

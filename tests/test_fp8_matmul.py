@@ -440,3 +440,22 @@ def test_one_row_group_sums_against_per_element_scales_and_the_oracle():
     with pytest.raises(NotImplementedError, match="group_sums is the one-row"):
         kernel_gpu.fp8_matmul_many(jnp.tile(x, (2, 1)), (w,), (s,), block_m=16, block_n=64, block_k=256, k_splits=1,
                                    num_warps=4, num_stages=3, decode="native", interpret=True, group_sums=True)
+
+
+def test_k_splits_fill_the_last_wave():
+    """The default K split at one row: the fewest splits giving >= target programs that fill at
+    least min_wave_fill of their waves; the released projections at one row (64-column, 256-deep
+    tiles); tensor-core tiles keep the fewest giving >= target."""
+    f = api.split_for_waves
+    assert f(80, 32, 264, 0.7) == 8  # wo_b: 320 programs fill 61% of 2 waves, 640 81% of 3
+    assert f(80, 32, 264, 0.0) == 4  # no fill asked: the fewest giving >= 264 (the earlier rule)
+    assert f(512, 5, 264, 0.7) == 1 and f(20, 20, 264, 0.7) == 20  # wq_b; wq_a: 400 programs, 76%
+    assert f(64, 5, 264, 0.7) == 5  # indexer wq_b: 320 is the only count >= 264
+    assert f(72, 20, 264, 0.7) == 10  # shared w1 + w3: 288 (55%), 360 (68%), 720 (91%)
+    assert f(8, 4, 264, 0.7) == 4  # never enough programs: every K block split
+    assert f(100, 6, 264, 0.9) == 6  # none fills 90%: 300 (57%) or 600 (76%), the fuller
+    for name, (k, n), want in (("attn.wo_b", (8192, 5120), 8), ("attn.wq_b", (1280, 32768), 1),
+                               ("shared.w2", (2304, 5120), 9)):
+        assert api.BlockSizes().resolved(1, n, k).k_splits == want, name
+    assert api.BlockSizes(k_splits=2).resolved(1, 5120, 8192).k_splits == 2
+    assert api.BlockSizes().resolved(8, 5120, 8192).k_splits == 4  # tensor-core tiles: the fewest

@@ -56,7 +56,15 @@ class BlockSizes:
       weight element before the sum (on the H200 a layer's eight projections 67.7 against 71.1 µs
       of device time, `wq_b` 14.2 against 15.5; benchmarks/README.md, twentieth run).
     k_splits: programs sharing one output block's K range (their fp32 partials are then added);
-      None picks the fewest that give `target_programs` programs.
+      None picks the fewest that give `target_programs` programs, and for one row (block_m 1)
+      the fewest whose programs also fill at least `min_wave_fill` of their waves of
+      `target_programs` (else the split that fills them best): a launch of 1.2 waves runs nearly
+      as long as one of 2. On the H200 at one row `wo_b` (80 column blocks) took 18.3 µs with 4
+      splits (320 programs, 61% of 2 waves) and 15.3 with 8 (640, 81% of 3), shared `w1` + `w3`
+      13.8 against 11.9 µs; a layer's eight projections 67.8 against 63.8 µs, the six-layer
+      decode step at batch 1 1502 against 1444 µs (benchmarks/README.md, twenty-first run).
+      Tensor-core tiles keep the fewest (in the step at batch 8 / 64 the rule measured 4271 /
+      15656 against 4222 / 15738 µs: no gain).
     num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
     max_rows: above this many rows `linear` uses XLA's GEMM instead of the kernel (64: on the H200
       the kernel is 1.7x faster at 64 rows and 1.45x slower at 256, benchmarks/README.md).
@@ -70,6 +78,7 @@ class BlockSizes:
     decode: str = "native"
     max_rows: int = 64
     target_programs: int = 264  # two per SM of an H100/H200
+    min_wave_fill: float = 0.7
     one_row: bool = True
     quantise_one_row: bool = True
     one_row_group_sums: bool = True
@@ -86,9 +95,25 @@ class BlockSizes:
         if k_splits is None:
             programs = -(-m // block_m) * max(sum(n_t // block_n for n_t in ns), 1)
             k_blocks = max(k // block_k, 1)
-            divisors = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0]
-            k_splits = next((d for d in divisors if programs * d >= self.target_programs), divisors[-1])
+            k_splits = split_for_waves(programs, k_blocks, self.target_programs,
+                                       self.min_wave_fill if block_m == 1 else 0.0)
         return dataclasses.replace(self, block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
+
+
+def split_for_waves(programs: int, k_blocks: int, target: int, min_fill: float) -> int:
+    """K splits (a divisor of k_blocks) for a launch of `programs` output blocks: the fewest
+    giving >= `target` programs whose waves of `target` are at least `min_fill` full, else among
+    those giving >= `target` the one filling its waves best (the fewest on a tie), else all."""
+    divisors = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0]
+    enough = [d for d in divisors if programs * d >= target]
+    if not enough:
+        return divisors[-1]
+
+    def fill(d):
+        p = programs * d
+        return p / (-(-p // target) * target)
+
+    return next((d for d in enough if fill(d) >= min_fill), max(enough, key=lambda d: (fill(d), -d)))
 
 
 def _validate(x, w, s):
