@@ -552,8 +552,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                             fraction_of_ceiling=by / ts / ceil["hbm"], ceiling="hbm", tokens_per_s=round(batch / ts, 1))
                     if loop_steps and context > loop_steps + 1:
                         loop_row(rep, ceil, name, graphdef, state, holder, ids, pos - loop_steps, context_bound,
-                                 loop_steps, batch, context, by, fl, tiny, host_loop,
-                                 profile=(batch, context, path) in profile_for)
+                                 loop_steps, batch, context, by, fl, tiny, host_loop)
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
@@ -575,7 +574,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
 
 
 def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, steps, batch, context, by, fl,
-             tiny, host_loop=False, profile=False):
+             tiny, host_loop=False):
     """The row "<name> loop": `Generator`'s decode program (`Generator._decode`) running `steps`
     greedy steps from positions `pos` in one call; seconds are the call's wall time over `steps`.
 
@@ -584,8 +583,9 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
     step, where the default runs the loop inside the CUDA graph on GPUs). The two are timed in
     three alternating rounds (each round's seconds kept as `rounds_s`, the row's the median), and
     `tokens_equal` records whether their first calls, each from the same copy of the cache, gave
-    the same tokens. profile: also `profile_rows` of the loop program (per step: "<name> loop
-    device time" and profile_decode_<B>x<T>_loop.json, its sources from the program's HLO)."""
+    the same tokens. The loop program is not profiled: its CUDA graph's kernels do not appear one
+    by one in a `jax.profiler` trace (on the H200: 25 kernels and 131 µs a step seen of a
+    1506 µs step), so `profile_rows` traces the one-step program (its kernels in sequence)."""
     variants = [("loop", None)] + ([("loop (host loop)", {})] if host_loop else [])
 
     def decode_args(gen, cache):  # one call of `steps` greedy steps from `pos`
@@ -624,11 +624,6 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
         rep.add(name=f"{name} {label}", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                 fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[label], 1),
                 tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **extra)
-    if profile:
-        gen = gens["loop"]
-        hlo = gen._decode.lower(*decode_args(gen, holder["cache"])).compile().as_text()
-        _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name + ' loop')}", hlo)
-        profile_rows(rep, calls["loop"], f"{name} loop", batch, context, top=24, sources=hlo_sources(hlo), steps=steps)
 
 
 def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, new_tokens, steps_per_call, by, fl,
@@ -786,19 +781,39 @@ def kernel_totals(events) -> tuple[int, int, dict, dict]:
     return total, busy, per_op, launches
 
 
-def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None,
-                 steps: int = 1):
+def kernel_alone(events) -> dict:
+    """GPU kernel events (name, start_ns, duration_ns) -> ns per op name during which a kernel of
+    that op is the only one running: the time nothing beside it hides (in a concurrently
+    scheduled graph, the serial chain; where kernels run one after another, all of it)."""
+    marks = sorted([(start, 1, i) for i, (_, start, _) in enumerate(events)]
+                   + [(start + dur, 0, i) for i, (_, start, dur) in enumerate(events)])
+    alone: dict = {}
+    active: set = set()
+    last = None
+    for t, is_start, i in marks:  # ends sort before starts at one instant
+        if len(active) == 1 and last is not None and t > last:
+            op = events[next(iter(active))][0]
+            alone[op] = alone.get(op, 0) + t - last
+        if is_start:
+            active.add(i)
+        else:
+            active.discard(i)
+        last = t
+    return alone
+
+
+def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None):
     """Device time of one call from a jax.profiler trace: the total over the GPU stream lines
-    (`busy_s`: the time any kernel runs, which is less where kernels overlap; `kernel_totals`),
-    and the ops taking the most time (XLA op names; Pallas kernels by their names). With
-    `sources` (`hlo_sources`), also the time per emitting source line, and every op's time,
-    launches and source in profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json
-    (and the optimized HLO, gzipped, beside it). `steps`: decode steps one call runs (the loop
-    program); every figure is per step."""
+    (`busy_s`: the time any kernel runs, which is less where kernels overlap; `kernel_totals`;
+    `alone_s`: the time exactly one kernel runs, `kernel_alone`), and the ops taking the most
+    time (XLA op names; Pallas kernels by their names). With `sources` (`hlo_sources`), also the
+    time per emitting source line, and every op's time, launches and source in
+    profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json (and the optimized
+    HLO, gzipped, beside it)."""
     import glob
     import tempfile
 
-    per = reps * steps  # calls traced x steps a call
+    per = reps
 
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as tmp:
@@ -813,35 +828,38 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
         events = [(ev.name, ev.start_ns, ev.duration_ns) for plane in data.planes if "gpu" in plane.name.lower()
                   for line in plane.lines if line.name.lower().startswith("stream") for ev in line.events]
     stream_ns, busy_ns, per_op, launches = kernel_totals(events)
+    alone = kernel_alone(events)
     rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / per, bytes=0,
             flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / per),
-            busy_s=busy_ns * 1e-9 / per)
+            busy_s=busy_ns * 1e-9 / per, alone_s=sum(alone.values()) * 1e-9 / per)
     for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
         rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / per, bytes=0, flops=0,
-                fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3))
+                fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
+                alone_s=alone.get(op, 0) * 1e-9 / per)
     if sources is None:
         return
     by_src: dict = {}
     for op, ns in per_op.items():
         src = _source_of(sources, op) or "(no source: " + op.rstrip("_0123456789") + ")"
-        t, n = by_src.get(src, (0, 0))
-        by_src[src] = (t + ns, n + launches[op])
-    for src, (ns, n) in sorted(by_src.items(), key=lambda kv: -kv[1][0])[:top]:
+        t, n, a = by_src.get(src, (0, 0, 0))
+        by_src[src] = (t + ns, n + launches[op], a + alone.get(op, 0))
+    for src, (ns, n, a) in sorted(by_src.items(), key=lambda kv: -kv[1][0])[:top]:
         rep.add(name=f"  src {src[:58]}", batch=batch, context=context, seconds=ns * 1e-9 / per, bytes=0,
                 flops=0, fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
-                launches_per_step=round(n / per))
+                launches_per_step=round(n / per), alone_s=a * 1e-9 / per)
     table = [{"op": op, "us_per_step": round(ns / per / 1e3, 2), "launches_per_step": launches[op] / per,
-              "source": _source_of(sources, op)} for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
+              "alone_us_per_step": round(alone.get(op, 0) / per / 1e3, 2), "source": _source_of(sources, op)}
+             for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
     tag = name.split()[0]  # "decode" / "prefill"
     (rep.out / f"profile_{tag}_{batch}x{context}{_path_suffix(name)}.json").write_text(json.dumps(table, indent=1))
 
 
 def _path_suffix(name: str) -> str:
-    """"" for a fast-path row ("decode fast"), else "_<path>", and "_loop" after it for the loop
-    program ("decode fast loop"), so profiles of two paths or programs do not collide."""
+    """"" for a fast-path row ("decode fast"), else "_<path>", so profiles of two paths do not
+    collide."""
     words = name.split()
     path = words[1] if len(words) > 1 else ""
-    return ("" if path == "fast" else f"_{path}") + ("_loop" if words[-1] == "loop" else "")
+    return "" if path == "fast" else f"_{path}"
 
 
 def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, path, loop_steps=0):

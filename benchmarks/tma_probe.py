@@ -38,6 +38,7 @@ from pallas_kernels._triton import e8m0_f32
 
 BLOCK_N = 64  # wgmma rows: one tile of output columns
 GROUP = 32  # weight scale block
+SCALE_ROW = 128  # bytes of staged scales a K step (TMA shared-memory destinations: 128-byte aligned)
 
 
 def _plgpu():
@@ -126,24 +127,37 @@ def fp8_matmul_tma(x: jax.Array, w: jax.Array, s: jax.Array, *, block_k: int = 2
 
 
 def fp8_matmul_tma_persistent(x: jax.Array, w: jax.Array, s: jax.Array, *, block_k: int = 256, stages: int = 4,
-                              k_splits: int = 1, programs: int = 132) -> jax.Array:
+                              k_splits: int = 1, programs: int = 132, products: bool = True,
+                              swizzle: int = GROUP) -> jax.Array:
     """`fp8_matmul_tma` with the two costs the thirteenth run found removed: at most `programs`
     programs (the largest divisor of the work items not above it), each streaming its share of
     the (64 output columns, K split) items through one pipeline (no fill and drain per block;
     the accumulator is stored and cleared at each item's last step), and the scale bytes staged
-    with the weight tiles (re-laid out by XLA to [N/64, K/block_k, 2 * groups] bytes, 16 a step
-    at block_k 256, read from shared memory). Same results as `fp8_matmul_tma`."""
+    with the weight tiles (re-laid out by XLA to [N/64, K/block_k, SCALE_ROW] bytes, 2 * groups
+    of them used, read from shared memory). Same results as `fp8_matmul_tma`. products=False:
+    the pipeline streams the same tiles and the step does nothing with them (zeros out; the
+    streaming floor of this pipeline). swizzle: bytes a row of the weight's shared-memory tiles
+    (its TMA box's inner extent): 32, one scale group, or 64 / 128 (streaming only: the products
+    slice whole 32-byte tiles)."""
     (m, k), n = x.shape, w.shape[0]
-    if block_k % 256:
+    if block_k % 256 or 2 * block_k // GROUP > SCALE_ROW:
         raise ValueError(f"fp8_matmul_tma_persistent: unsupported shape: {block_k=} (a step's 2 * block_k / 32 "
-                         "staged scale bytes must fill 16-byte rows)")
+                         f"staged scale bytes must fill 16-byte rows within {SCALE_ROW})")
+    if swizzle not in (32, 64, 128) or (products and swizzle != GROUP):
+        raise ValueError(f"fp8_matmul_tma_persistent: unsupported shape: {swizzle=} ({GROUP} with products; "
+                         "32, 64 or 128 streaming only)")
     plgpu, x, rows, s, steps, groups, (w_tf, x_tf) = _prepare(x, w, s, block_k, k_splits,
                                                              "fp8_matmul_tma_persistent")
+    if swizzle != GROUP:
+        w_tf = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     blocks = n // BLOCK_N
     work = blocks * k_splits
     p = max(d for d in range(1, min(programs, work) + 1) if work % d == 0)
     per = work // p
     staged = s.reshape(blocks, 2, k // block_k, groups).transpose(0, 2, 1, 3).reshape(blocks, k // block_k, 2 * groups)
+    # a TMA copy's shared-memory destination must be 128-byte aligned: a 16-byte row per stage
+    # put every other stage's scales off that alignment (the fourteenth run's misaligned address)
+    staged = jnp.pad(staged, ((0, 0), (0, 0), (0, SCALE_ROW - 2 * groups)))
 
     def body(w_hbm, x_hbm, s_hbm, o_hbm, o_smem):
         pid = jax.lax.axis_index("p")
@@ -160,7 +174,9 @@ def fp8_matmul_tma_persistent(x: jax.Array, w: jax.Array, s: jax.Array, *, block
                 def _():
                     acc_ref[...] = jnp.zeros((BLOCK_N, rows), jnp.float32)
 
-                _step_products(acc_ref, w_tile, x_tile, groups, lambda g: (s_tile[0, 0, g], s_tile[0, 0, groups + g]))
+                if products:
+                    _step_products(acc_ref, w_tile, x_tile, groups,
+                                   lambda g: (s_tile[0, 0, g], s_tile[0, 0, groups + g]))
 
                 @pl.when(kk == steps - 1)
                 def _():
@@ -178,7 +194,7 @@ def fp8_matmul_tma_persistent(x: jax.Array, w: jax.Array, s: jax.Array, *, block
                 step, grid=(per, steps), max_concurrent_steps=stages,
                 in_specs=[plgpu.BlockSpec((BLOCK_N, block_k), at, transforms=w_tf),
                           plgpu.BlockSpec((rows, block_k), lambda j, kk: (0, at(j, kk)[1]), transforms=x_tf),
-                          plgpu.BlockSpec((1, 1, 2 * groups), lambda j, kk: (*at(j, kk), 0))],
+                          plgpu.BlockSpec((1, 1, SCALE_ROW), lambda j, kk: (*at(j, kk), 0))],
             )(w_hbm, x_hbm, s_hbm)
 
         pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, rows), jnp.float32))
@@ -200,6 +216,21 @@ VARIANTS = (  # (label, kernel, kwargs): the thirteenth run's fastest and neighb
     ("tma persistent bk=256 st=4", fp8_matmul_tma_persistent, {"block_k": 256, "stages": 4}),
     ("tma persistent bk=256 st=6 ks=2", fp8_matmul_tma_persistent, {"block_k": 256, "stages": 6, "k_splits": 2}),
     ("tma persistent bk=256 st=8", fp8_matmul_tma_persistent, {"block_k": 256, "stages": 8}),
+    ("tma persistent bk=512 st=4", fp8_matmul_tma_persistent, {"block_k": 512, "stages": 4}),
+    ("tma persistent streaming only bk=256 st=4", fp8_matmul_tma_persistent,
+     {"block_k": 256, "stages": 4, "products": False}),
+    ("tma persistent streaming only bk=256 st=8", fp8_matmul_tma_persistent,
+     {"block_k": 256, "stages": 8, "products": False}),
+    ("tma persistent streaming only bk=512 st=6", fp8_matmul_tma_persistent,
+     {"block_k": 512, "stages": 6, "products": False}),
+    ("tma persistent streaming only bk=256 st=4 p=264", fp8_matmul_tma_persistent,
+     {"block_k": 256, "stages": 4, "products": False, "programs": 264}),
+    ("tma persistent streaming only bk=256 st=4 swizzle 128", fp8_matmul_tma_persistent,
+     {"block_k": 256, "stages": 4, "products": False, "swizzle": 128}),
+    ("tma persistent streaming only bk=512 st=4 swizzle 128", fp8_matmul_tma_persistent,
+     {"block_k": 512, "stages": 4, "products": False, "swizzle": 128}),
+    ("tma persistent streaming only bk=256 st=4 swizzle 64", fp8_matmul_tma_persistent,
+     {"block_k": 256, "stages": 4, "products": False, "swizzle": 64}),
 )
 
 
@@ -212,7 +243,7 @@ def same_size_copy_bw(nbytes: float, inner: int = 8) -> float:
     return 8 * n / _best(sec, dev)
 
 
-def rows_for(m: int, copy_bw: float, shapes=("attn.wq_b", "attn.wo_b", "shared.w1 (= w3)")) -> list[Row]:
+def rows_for(m: int, copy_bw: float, shapes=("attn.wq_b", "attn.wo_b", "shared.w1 (= w3)"), only: str = "") -> list[Row]:
     from pallas_kernels.fp8_matmul import api
     from pallas_kernels.fp8_matmul import reference as ref
 
@@ -225,7 +256,7 @@ def rows_for(m: int, copy_bw: float, shapes=("attn.wq_b", "attn.wo_b", "shared.w
         nbytes = n * k
         same_bw = same_size_copy_bw(nbytes)
         impls = [("triton kernel", lambda x, w, s: api.fp8_matmul(x, w, s, implementation="pallas"))]
-        impls += [(label, functools.partial(kernel, **kw)) for label, kernel, kw in VARIANTS]
+        impls += [(label, functools.partial(kernel, **kw)) for label, kernel, kw in VARIANTS if only in label]
         for label, fn in impls:
             fn = jax.jit(fn)
             try:
@@ -251,10 +282,11 @@ def rows_for(m: int, copy_bw: float, shapes=("attn.wq_b", "attn.wo_b", "shared.w
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,16", help="activation rows M (comma list, <= 64)")
+    p.add_argument("--only", default="", help="time only the variants whose label contains this")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     dev, copy_bw = start_run()
-    rows = [r for m in a.rows.split(",") for r in rows_for(int(m), copy_bw)]
+    rows = [r for m in a.rows.split(",") for r in rows_for(int(m), copy_bw, only=a.only)]
     if a.json:
         write_json(a.json, dev.device_kind, copy_bw, rows)
     return 0

@@ -74,7 +74,10 @@ def test_tma_probe_kernel_lowers_for_cuda_and_checks_its_shapes():
     for kernel, kw in ((tma_probe.fp8_matmul_tma, {"block_k": 256, "stages": 2}),
                        (tma_probe.fp8_matmul_tma, {"block_k": 128, "stages": 2, "k_splits": 2, "scaled": False}),
                        (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 4, "programs": 3}),
-                       (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 2, "k_splits": 5})):
+                       (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 2, "k_splits": 5}),
+                       (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 2, "products": False}),
+                       (tma_probe.fp8_matmul_tma_persistent, {"block_k": 256, "stages": 2, "products": False,
+                                                              "swizzle": 128})):
         fn = jax.jit(lambda x, w, s, kernel=kernel, kw=kw: kernel(x, w, s, **kw))
         text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -122,22 +125,11 @@ def test_host_loop_rows_run_both_decode_programs_in_alternating_rounds(tmp_path,
     model_speed.loop_row(rep, {"hbm": 1e12}, "decode fast", graphdef, state, holder, ids, pos, None, 3, 2, 64,
                          1e6, 1e9, True)
     assert rep.rows[-1]["name"] == "decode fast loop" and "rounds_s" not in rep.rows[-1] and len(order) == 7
-    # profile=True profiles the loop program per step, its kernels named from that program's HLO
-    seen = []
-    monkeypatch.setattr(model_speed, "profile_rows", lambda rep, call, name, b, t, **kw: seen.append((call, name, kw)))
-    model_speed.loop_row(rep, {"hbm": 1e12}, "decode fast", graphdef, state, holder, ids, pos, None, 3, 2, 64,
-                         1e6, 1e9, True, profile=True)
-    (call, name, kw), = seen
-    assert call is order[-1] and name == "decode fast loop" and kw["steps"] == 3
-    assert any(src.startswith(("moe.py", "attention.py")) for src in kw["sources"].values())
-    assert (tmp_path / "hlo_decode_2x64_loop.txt.gz").exists()
 
 
-def test_profile_file_names_keep_paths_and_programs_apart():
-    names = ["decode fast", "decode fast loop", "decode reference", "decode reference loop", "prefill fast",
-             "decode fast-f32 loop"]
-    suffixes = [model_speed._path_suffix(n) for n in names]
-    assert suffixes == ["", "_loop", "_reference", "_reference_loop", "", "_fast-f32_loop"]
+def test_profile_file_names_keep_paths_apart():
+    names = ["decode fast", "decode reference", "prefill fast", "decode fast-f32"]
+    assert [model_speed._path_suffix(n) for n in names] == ["", "_reference", "", "_fast-f32"]
 
 
 def test_generate_row_times_generator_generate_and_records_its_tokens(tmp_path, capsys):
@@ -186,3 +178,12 @@ def test_kernel_totals_count_overlapping_kernels_in_full_and_their_union_once():
     assert total == 23 and busy == 12 + 5
     assert per_op == {"a": 15, "b": 7, "c": 1} and launches == {"a": 2, "b": 1, "c": 1}
     assert kernel_totals([]) == (0, 0, {}, {})
+
+
+def test_kernel_alone_counts_only_the_time_one_kernel_runs_by_itself():
+    from benchmarks.model_speed import kernel_alone
+    # a: [0, 10) alone on [0, 5); b: [5, 12) alone on [10, 12); a: [20, 25) alone but for c [21, 22);
+    # d: [25, 30) starts as a ends (alone all of it)
+    events = [("a", 20, 5), ("b", 5, 7), ("a", 0, 10), ("c", 21, 1), ("d", 25, 5)]
+    assert kernel_alone(events) == {"a": 5 + 4, "b": 2, "d": 5}
+    assert kernel_alone([]) == {}
