@@ -4,7 +4,7 @@ XLA copy of the same size. No product path uses this kernel; it measures whether
 matmul to Mosaic GPU (TMA into shared memory, wgmma) lifts the 45-57% of copy bandwidth the
 Triton kernel reaches at one row (benchmarks/README.md, thirteenth run).
 
-    python -m benchmarks.tma_probe [--rows 1,16] [--json PATH]
+    python -m benchmarks.tma_probe [--rows 1,16] [--only LABEL] [--stream-shapes 65536x8192] [--json PATH]
 
 The probe kernel (`fp8_matmul_tma`, Mosaic GPU, Hopper): one program per (64 output columns,
 K split); `plgpu.emit_pipeline` brings each K step's e4m3 weight tile [64, block_k] and bf16 row
@@ -279,14 +279,54 @@ def rows_for(m: int, copy_bw: float, shapes=("attn.wq_b", "attn.wo_b", "shared.w
     return out
 
 
+STREAM_VARIANTS = (  # (label, kernel or None for the Triton kernel, kwargs) for `stream_rows`
+    ("triton one-row", None, {}),
+    ("tma stream sw32 st4", fp8_matmul_tma_persistent, {"products": False}),
+    ("tma stream sw128 st4", fp8_matmul_tma_persistent, {"products": False, "swizzle": 128}),
+    ("tma stream sw128 bk512 st4", fp8_matmul_tma_persistent, {"products": False, "swizzle": 128, "block_k": 512}),
+    ("tma products sw32 st4", fp8_matmul_tma_persistent, {}),
+    ("tma products sw32 st6", fp8_matmul_tma_persistent, {"stages": 6}),
+)
+
+
+def stream_rows(n: int, k: int, copy_bw: float) -> list[Row]:
+    """One row times a large random e4m3 [n, k] matrix: the Triton one-row kernel and the
+    persistent TMA pipeline (streaming only and with products), device time a call: the
+    steady-state streaming rate, without the launch and ramp costs that weigh on the model's
+    2.6-42 MB projections."""
+    from pallas_kernels.fp8_matmul import api
+
+    w, s = weights(k, n, 0)
+    x = jax.random.normal(jax.random.key(2), (1, k)).astype(jnp.bfloat16)
+    out = []
+    for label, kernel, kw in STREAM_VARIANTS:
+        fn = jax.jit((lambda x, w, s: api.fp8_matmul(x, w, s, implementation="pallas")) if kernel is None
+                     else functools.partial(kernel, **kw))
+        try:  # distinct rows per call (identical calls would be merged); the matrix is read each time
+            sec, dev = _time(fn, lambda i: ((x + i).astype(jnp.bfloat16), w, s), inner=4, reps=5)
+            t = _best(sec, dev)
+            out.append(Row("fp8 one-row stream", f"M=1 K={k} N={n}", label, sec * 1e6, dev * 1e6, n * k,
+                           n * k / t / copy_bw))
+        except Exception as e:  # noqa: BLE001 (a failing variant is a result)
+            out.append(Row("fp8 one-row stream", f"M=1 K={k} N={n}", label, float("nan"), float("nan"), n * k, 0,
+                           note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
+        print(_fmt(out[-1]), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,16", help="activation rows M (comma list, <= 64)")
     p.add_argument("--only", default="", help="time only the variants whose label contains this")
+    p.add_argument("--stream-shapes", default="",
+                   help="NxK list: also stream one row through these large e4m3 matrices (`stream_rows`)")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
     dev, copy_bw = start_run()
-    rows = [r for m in a.rows.split(",") for r in rows_for(int(m), copy_bw, only=a.only)]
+    rows = [r for m in a.rows.split(",") if m for r in rows_for(int(m), copy_bw, only=a.only)]
+    for shape in filter(None, a.stream_shapes.split(",")):
+        n, k = (int(v) for v in shape.split("x"))
+        rows += stream_rows(n, k, copy_bw)
     if a.json:
         write_json(a.json, dev.device_kind, copy_bw, rows)
     return 0

@@ -82,10 +82,20 @@ def test_tma_probe_kernel_lowers_for_cuda_and_checks_its_shapes():
         text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
         assert fn.eval_shape(x, w, s).shape == (3, 256)
+    # the large-matrix streaming variants (`stream_rows`) at a shape their 512-deep steps divide
+    x2, w2 = jax.ShapeDtypeStruct((3, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((256, 2048), jnp.float8_e4m3fn)
+    s2 = jax.ShapeDtypeStruct((8, 64), jnp.float8_e8m0fnu)
+    for label, kernel, kw in tma_probe.STREAM_VARIANTS:
+        if kernel is not None:
+            fn = jax.jit(lambda x, w, s, kernel=kernel, kw=kw: kernel(x, w, s, **kw))
+            assert "mosaic_gpu" in fn.trace(x2, w2, s2).lower(lowering_platforms=("cuda",)).as_text(), label
     for kernel in (tma_probe.fp8_matmul_tma, tma_probe.fp8_matmul_tma_persistent):
         with pytest.raises(ValueError, match="unsupported shape"):
             kernel(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((100, 1280), jnp.float8_e4m3fn),
                    jnp.zeros((4, 40), jnp.uint8))
+    with pytest.raises(ValueError, match="swizzle=128"):  # products slice 32-byte tiles
+        tma_probe.fp8_matmul_tma_persistent(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((128, 1280), jnp.float8_e4m3fn),
+                                            jnp.zeros((4, 40), jnp.uint8), swizzle=128)
     with pytest.raises(ValueError, match="block_k=128"):
         tma_probe.fp8_matmul_tma_persistent(jnp.zeros((1, 1280), jnp.bfloat16), jnp.zeros((128, 1280), jnp.float8_e4m3fn),
                                             jnp.zeros((4, 40), jnp.uint8), block_k=128)
