@@ -25,6 +25,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels._dispatch import gpu_kernel, split_batch
@@ -166,9 +167,10 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
         r = x.shape[0]
         rows = 16  # tensor-core minimum; each tile's other 15 rows are padding (masked at the store)
         xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
-        ar = jnp.arange(r, dtype=jnp.int32)
-        out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, jnp.ones((r,), jnp.int32), rows,
-                              interpret, block_sizes)
+        # tile t is row t: numpy constants, which XLA keeps as literals (jnp.arange became an iota
+        # kernel before each launch on GPUs, 12 a six-layer decode step)
+        ar, ones = np.arange(r, dtype=np.int32), np.ones((r,), np.int32)
+        out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, ones, rows, interpret, block_sizes)
         if out is None:
             return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
         return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
