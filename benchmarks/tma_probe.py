@@ -221,8 +221,6 @@ VARIANTS = (  # (label, kernel, kwargs): the thirteenth run's fastest and neighb
      {"block_k": 256, "stages": 4, "products": False}),
     ("tma persistent streaming only bk=256 st=8", fp8_matmul_tma_persistent,
      {"block_k": 256, "stages": 8, "products": False}),
-    ("tma persistent streaming only bk=512 st=6", fp8_matmul_tma_persistent,
-     {"block_k": 512, "stages": 6, "products": False}),
     ("tma persistent streaming only bk=256 st=4 p=264", fp8_matmul_tma_persistent,
      {"block_k": 256, "stages": 4, "products": False, "programs": 264}),
     ("tma persistent streaming only bk=256 st=4 swizzle 128", fp8_matmul_tma_persistent,
