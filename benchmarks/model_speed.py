@@ -594,9 +594,9 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
 
     done = jnp.zeros(ids.shape, bool)
     start = holder["cache"] if host_loop else None  # each variant's first call starts from a copy
-    calls, compile_s, first, gens = {}, {}, {}, {}
+    calls, compile_s, first = {}, {}, {}
     for label, options in variants:
-        gen = gens[label] = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
+        gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
 
         def call(gen=gen, cache=None):
             toks, _, _, _, new, _ = gen._decode(*decode_args(gen, holder["cache"] if cache is None else cache))
@@ -813,7 +813,7 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
     import glob
     import tempfile
 
-    per = reps
+    per = reps  # figures are per call
 
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as tmp:

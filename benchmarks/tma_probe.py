@@ -16,9 +16,11 @@ accumulator. The same exact products as the Triton kernel, summed in another ord
 `scaled=False` the scales are skipped (wrong values; the pipeline's own speed). The result is
 transposed ([N, rows] per K split), so XLA adds the splits, transposes and rounds afterwards.
 
-`fp8_matmul_tma_persistent` (added after the thirteenth run's measurements, not yet timed):
-the same products with at most one program per SM, each streaming several (column block, K
-split) items through one pipeline, and the scale bytes staged through TMA with the weights.
+`fp8_matmul_tma_persistent`: the same products with at most one program per SM, each streaming
+several (column block, K split) items through one pipeline, and the scale bytes staged through
+TMA with the weights; `products=False` streams the tiles without computing (the pipeline's own
+rate), `--stream-shapes` runs one row through large matrices (the steady-state rate). Timed in
+the twenty-first run: slower than the Triton kernel at the model's sizes.
 """
 
 from __future__ import annotations
