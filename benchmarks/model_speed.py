@@ -813,8 +813,6 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
     import glob
     import tempfile
 
-    per = reps  # figures are per call
-
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
@@ -829,13 +827,13 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
                   for line in plane.lines if line.name.lower().startswith("stream") for ev in line.events]
     stream_ns, busy_ns, per_op, launches = kernel_totals(events)
     alone = kernel_alone(events)
-    rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / per, bytes=0,
-            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / per),
-            busy_s=busy_ns * 1e-9 / per, alone_s=sum(alone.values()) * 1e-9 / per)
+    rep.add(name=f"{name} device time", batch=batch, context=context, seconds=stream_ns * 1e-9 / reps, bytes=0,
+            flops=0, fraction_of_ceiling=None, kernels_per_step=round(sum(launches.values()) / reps),
+            busy_s=busy_ns * 1e-9 / reps, alone_s=sum(alone.values()) * 1e-9 / reps)
     for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
-        rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / per, bytes=0, flops=0,
+        rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0, flops=0,
                 fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
-                alone_s=alone.get(op, 0) * 1e-9 / per)
+                alone_s=alone.get(op, 0) * 1e-9 / reps)
     if sources is None:
         return
     by_src: dict = {}
@@ -844,11 +842,11 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
         t, n, a = by_src.get(src, (0, 0, 0))
         by_src[src] = (t + ns, n + launches[op], a + alone.get(op, 0))
     for src, (ns, n, a) in sorted(by_src.items(), key=lambda kv: -kv[1][0])[:top]:
-        rep.add(name=f"  src {src[:58]}", batch=batch, context=context, seconds=ns * 1e-9 / per, bytes=0,
+        rep.add(name=f"  src {src[:58]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0,
                 flops=0, fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
-                launches_per_step=round(n / per), alone_s=a * 1e-9 / per)
-    table = [{"op": op, "us_per_step": round(ns / per / 1e3, 2), "launches_per_step": launches[op] / per,
-              "alone_us_per_step": round(alone.get(op, 0) / per / 1e3, 2), "source": _source_of(sources, op)}
+                launches_per_step=round(n / reps), alone_s=a * 1e-9 / reps)
+    table = [{"op": op, "us_per_step": round(ns / reps / 1e3, 2), "launches_per_step": launches[op] / reps,
+              "alone_us_per_step": round(alone.get(op, 0) / reps / 1e3, 2), "source": _source_of(sources, op)}
              for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
     tag = name.split()[0]  # "decode" / "prefill"
     (rep.out / f"profile_{tag}_{batch}x{context}{_path_suffix(name)}.json").write_text(json.dumps(table, indent=1))

@@ -322,10 +322,16 @@ def main(argv=None) -> int:
                    help="NxK list: also stream one row through these large e4m3 matrices (`stream_rows`)")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)
+    shapes = []
+    for shape in filter(None, a.stream_shapes.split(",")):
+        try:
+            n, k = (int(v) for v in shape.split("x"))
+        except ValueError:
+            p.error(f"--stream-shapes takes NxK matrix shapes (e.g. 65536x8192), got {shape!r}")
+        shapes.append((n, k))
     dev, copy_bw = start_run()
     rows = [r for m in a.rows.split(",") if m for r in rows_for(int(m), copy_bw, only=a.only)]
-    for shape in filter(None, a.stream_shapes.split(",")):
-        n, k = (int(v) for v in shape.split("x"))
+    for n, k in shapes:
         rows += stream_rows(n, k, copy_bw)
     if a.json:
         write_json(a.json, dev.device_kind, copy_bw, rows)

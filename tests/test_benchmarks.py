@@ -197,3 +197,9 @@ def test_kernel_alone_counts_only_the_time_one_kernel_runs_by_itself():
     events = [("a", 20, 5), ("b", 5, 7), ("a", 0, 10), ("c", 21, 1), ("d", 25, 5)]
     assert kernel_alone(events) == {"a": 5 + 4, "b": 2, "d": 5}
     assert kernel_alone([]) == {}
+
+
+def test_tma_probe_refuses_a_bad_stream_shape_with_the_flag_named(capsys):
+    with pytest.raises(SystemExit) as e:
+        tma_probe.main(["--stream-shapes", "65536by8192"])
+    assert e.value.code == 2 and "--stream-shapes takes NxK" in capsys.readouterr().err
