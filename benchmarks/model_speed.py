@@ -556,7 +556,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
-                        profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo))
+                        profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo), hlo_text=hlo)
                     if (batch, context, path) in layers_for:
                         layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path,
                                        loop_steps)
@@ -802,14 +802,16 @@ def kernel_alone(events) -> dict:
     return alone
 
 
-def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None):
+def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None,
+                 hlo_text: str | None = None):
     """Device time of one call from a jax.profiler trace: the total over the GPU stream lines
     (`busy_s`: the time any kernel runs, which is less where kernels overlap; `kernel_totals`;
     `alone_s`: the time exactly one kernel runs, `kernel_alone`), and the ops taking the most
     time (XLA op names; Pallas kernels by their names). With `sources` (`hlo_sources`), also the
     time per emitting source line, and every op's time, launches and source in
     profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json (and the optimized
-    HLO, gzipped, beside it)."""
+    HLO, gzipped, beside it). With `hlo_text` (the profiled program's optimized HLO), also its
+    critical path (`critical_path_rows`)."""
     import glob
     import tempfile
 
@@ -834,6 +836,8 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
         rep.add(name=f"  op {op[:60]}", batch=batch, context=context, seconds=ns * 1e-9 / reps, bytes=0, flops=0,
                 fraction_of_ceiling=None, share=round(ns / max(stream_ns, 1), 3),
                 alone_s=alone.get(op, 0) * 1e-9 / reps)
+    if hlo_text is not None and events:  # (no device kernels traced on CPU)
+        critical_path_rows(rep, name, batch, context, hlo_text, events, reps, sources or {}, top)
     if sources is None:
         return
     by_src: dict = {}
@@ -850,6 +854,33 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
              for op, ns in sorted(per_op.items(), key=lambda kv: -kv[1])]
     tag = name.split()[0]  # "decode" / "prefill"
     (rep.out / f"profile_{tag}_{batch}x{context}{_path_suffix(name)}.json").write_text(json.dumps(table, indent=1))
+
+
+def critical_path_rows(rep, name, batch, context, hlo_text: str, events, reps: int, sources: dict, top: int):
+    """The longest chain of dependent kernels of the profiled program (benchmarks/critical_path.py):
+    its kernel time a step ("<name> critical path": what a concurrently scheduled graph of the same
+    kernels cannot hide) and that time per emitting source line ("  path src ..."). A trace that
+    does not follow the HLO's schedule gives a row with the reason instead."""
+    from benchmarks import critical_path as cp
+
+    try:
+        insts = cp.entry_instructions(hlo_text)
+        secs = cp.mean_seconds(insts, cp.steps_of([(n, t * 1e-9, d * 1e-9) for n, t, d in events], reps))
+    except ValueError as e:
+        rep.add(name=f"{name} critical path", batch=batch, context=context, seconds=None, bytes=0, flops=0,
+                fraction_of_ceiling=None, error=str(e)[:300])
+        return
+    _, path = cp.critical_path(insts, secs)
+    rep.add(name=f"{name} critical path", batch=batch, context=context, seconds=sum(secs[k] for k in path), bytes=0,
+            flops=0, fraction_of_ceiling=None, kernels_on_path=len(path), kernels_per_step=len(secs),
+            kernel_time_s=sum(secs.values()))
+
+    def label(inst):
+        return _source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or inst.kernel or re.sub(r"[._]\d+$", "", inst.name)
+
+    for src, (t, n) in list(cp.path_by_source(path, insts, secs, label).items())[:top]:
+        rep.add(name=f"  path src {src[:53]}", batch=batch, context=context, seconds=t, bytes=0, flops=0,
+                fraction_of_ceiling=None, launches_per_step=n)
 
 
 def _path_suffix(name: str) -> str:

@@ -203,3 +203,93 @@ def test_tma_probe_refuses_a_bad_stream_shape_with_the_flag_named(capsys):
     with pytest.raises(SystemExit) as e:
         tma_probe.main(["--stream-shapes", "65536by8192"])
     assert e.value.code == 2 and "--stream-shapes takes NxK" in capsys.readouterr().err
+
+
+# an optimized-HLO entry in the GPU text format: a and b independent, c reads both, the Pallas
+# kernel d reads c, the sort e (two kernels) reads a, f reads d and e
+_CP_HLO = """HloModule m, is_scheduled=true
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main.1 (x.1: f32[4], y.1: f32[4]) -> (f32[4], f32[4]) {
+  %x.1 = f32[4]{0} parameter(0)
+  %y.1 = f32[4]{0} parameter(1)
+  %fusion.a = f32[4]{0} fusion(%x.1), kind=kLoop, calls=%fused_a, metadata={op_name="jit(f)/neg"}
+  %fusion.b = f32[4]{0} fusion(%y.1), kind=kLoop, calls=%fused_a
+  %fusion.c = (f32[4]{0}, f32[4]{0}) fusion(%fusion.a, %fusion.b), kind=kLoop, calls=%fused_a
+  %get-tuple-element.1 = f32[4]{0} get-tuple-element(%fusion.c), index=0
+  %pallas_call.7 = f32[4]{0} custom-call(%get-tuple-element.1), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = \\"fp8_matmul\\", num_warps = 4}
+  %sort.3 = f32[4]{0} sort(%fusion.a), dimensions={0}, to_apply=%fused_a
+  %bitcast.2 = f32[4]{0} bitcast(%sort.3)
+  ROOT %fusion.f = (f32[4]{0}, f32[4]{0}) fusion(%pallas_call.7, %bitcast.2), kind=kLoop, calls=%fused_a
+}
+"""
+_CP_EVENTS = [("fusion_a", 2.0), ("fusion_b", 5.0), ("fusion_c", 1.0), ("fp8_matmul__3", 10.0),
+              ("memcpy32_post", 0.5), ("sort_3_1", 30.0), ("fusion_a", 1.5)]
+
+
+def test_critical_path_follows_the_longest_chain_of_dependent_kernels():
+    from benchmarks import critical_path as cp
+
+    insts = cp.entry_instructions(_CP_HLO)
+    assert [i.name for i in insts if i.launches] == ["fusion.a", "fusion.b", "fusion.c", "pallas_call.7", "sort.3",
+                                                      "fusion.f"]
+    assert {i.name: i.args for i in insts}["fusion.f"] == ("pallas_call.7", "bitcast.2")
+    assert {i.name: i.kernel for i in insts}["pallas_call.7"] == "fp8_matmul"
+    secs = cp.align(insts, _CP_EVENTS)
+    assert secs == {"fusion.a": 2.0, "fusion.b": 5.0, "fusion.c": 1.0, "pallas_call.7": 10.0, "sort.3": 30.5,
+                    "fusion.f": 1.5}
+    # a -> sort (memcpy + sort pass) -> f = 34 beats b -> c -> d -> f = 17.5
+    assert cp.critical_path(insts, secs) == (34.0, ["fusion.a", "sort.3", "fusion.f"])
+    # 6 more a launch: a -> sort -> f = 34 + 3 x 6 = 52 still beats b -> c -> d -> f = 17.5 + 4 x 6
+    assert cp.critical_path(insts, secs, per_launch=6.0) == (52.0, ["fusion.a", "sort.3", "fusion.f"])
+    assert cp.critical_path(insts, dict(secs, **{"sort.3": 1.0}))[1] == ["fusion.b", "fusion.c", "pallas_call.7",
+                                                                         "fusion.f"]
+    by = cp.path_by_source(["fusion.a", "sort.3", "fusion.f"], insts, secs, lambda i: i.op)
+    assert by == {"sort": (30.5, 1), "fusion": (3.5, 2)}
+    steps = cp.steps_of([(n, 100.0 * s + i, d) for s in range(2) for i, (n, d) in enumerate(_CP_EVENTS)], 2)
+    assert cp.mean_seconds(insts, steps) == secs
+
+
+@pytest.mark.parametrize("events, message", [
+    (_CP_EVENTS[:3] + [("fusion_x", 1.0)] + _CP_EVENTS[4:], "schedule has pallas_call.7"),
+    (_CP_EVENTS + [("fusion_z", 1.0)], "left over"),
+    (_CP_EVENTS[:4], "kernel events for 6"),
+])
+def test_critical_path_refuses_a_trace_that_is_not_the_schedule(events, message):
+    from benchmarks import critical_path as cp
+
+    with pytest.raises(ValueError, match=message):
+        cp.align(cp.entry_instructions(_CP_HLO), events)
+
+
+def test_critical_path_reads_a_compiled_program_and_model_speed_reports_it(tmp_path):
+    """The parser on XLA's own optimized text (CPU here): every operand names an earlier
+    instruction; and `critical_path_rows` on the synthetic entry: the path row and its sources,
+    or the reason when the trace does not fit."""
+    from benchmarks import critical_path as cp
+
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    text = jax.jit(lambda x, w: rms_norm(x, w, 1e-6) * 2).lower(x, x[0]).compile().as_text()
+    insts = cp.entry_instructions(text)
+    seen: set = set()
+    for i in insts:
+        assert set(i.args) <= seen, i
+        seen.add(i.name)
+    assert any(i.launches for i in insts)
+    with pytest.raises(ValueError, match="no ENTRY"):
+        cp.entry_instructions("HloModule m\n")
+
+    rep = model_speed.Report(tmp_path, {})
+    events = [(n, t * 100_000, int(d * 1000)) for t, (n, d) in enumerate(_CP_EVENTS)]  # ns, as traced
+    model_speed.critical_path_rows(rep, "decode fast", 1, 8, _CP_HLO, events, 1, {"sort_3": "moe.py:1 f"}, 5)
+    rows = {r["name"]: r for r in rep.rows}
+    assert rows["decode fast critical path"]["seconds"] == pytest.approx(34e-6)
+    assert rows["decode fast critical path"]["kernels_on_path"] == 3
+    assert rows["  path src moe.py:1 f"]["seconds"] == pytest.approx(30.5e-6)
+    rep2 = model_speed.Report(tmp_path / "b", {})
+    model_speed.critical_path_rows(rep2, "decode fast", 1, 8, _CP_HLO, events[:5], 1, {}, 5)
+    assert rep2.rows[0]["seconds"] is None and "kernel events" in rep2.rows[0]["error"]

@@ -1,0 +1,210 @@
+"""The critical path of a compiled step: the kernels that must run one after another.
+
+`Generator`'s decode program runs as a CUDA graph whose kernels start as soon as the kernels they
+read from have finished (XLA's CONCURRENT command-buffer scheduling), and a profiler trace does
+not show those kernels one by one. The one-step program ("decode <path>") has the same kernels
+run in XLA's default order, one after another, each traced. Its optimized HLO says which kernel
+reads which kernel's output, so the longest chain of dependent kernels, each weighted by its
+traced time, is the part of the step no concurrency can hide: with a fixed cost per dependent
+launch it estimates the graph's step, and its kernels are what a faster step must shorten.
+
+  entry_instructions(hlo_text)   the entry computation's instructions in schedule order
+  align(insts, events)           seconds per kernel-launching instruction, from one step's
+                                 kernel events in start order (the schedule's order)
+  critical_path(insts, seconds)  the longest dependent chain: (seconds, instruction names)
+  path_by_source(...)            that chain's time and launches per emitting source line
+
+Only the entry computation is walked: a while loop or call counts as one launch-free node (the
+six-layer decode step has none), and in-place buffer reuse adds no edges. Used by
+`model_speed.profile_rows`; `python -m benchmarks.critical_path HLO EVENTS` reads an optimized
+HLO text (.gz too) and a JSON list of [name, start_ns, duration_ns] events of whole steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+# opcodes of entry instructions that launch GPU kernels (the rest are views, tuples, parameters)
+KERNEL_OPS = ("fusion", "custom-call", "sort", "copy")
+_INST = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inst:
+    name: str  # HLO instruction name
+    op: str  # opcode
+    args: tuple[str, ...]  # operand instruction names
+    kernel: str | None  # a Pallas / Triton custom call's kernel name ("fp8_matmul"), else None
+
+    @property
+    def launches(self) -> bool:
+        return self.op in KERNEL_OPS
+
+
+def _split_shape(rest: str) -> str:
+    """`rest` after "name = ": drop the result shape (a tuple "(...)" or "type[dims]{layout}")."""
+    if rest.startswith("("):
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += (c == "(") - (c == ")")
+            if depth == 0:
+                return rest[i + 1:].strip()
+    return rest.split(" ", 1)[1].strip() if " " in rest else ""
+
+
+def entry_instructions(hlo_text: str) -> list[Inst]:
+    """The ENTRY computation's instructions of an optimized (scheduled) HLO text, in order."""
+    insts: list[Inst] = []
+    inside = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            inside = True
+            continue
+        if not inside:
+            continue
+        if line.startswith("}"):
+            break
+        m = _INST.match(line)
+        if not m:
+            continue
+        body = _split_shape(m.group(2))
+        op = re.match(r"([\w\-]+)\(", body)
+        if op is None:
+            continue
+        depth, end = 0, len(body)
+        for i, c in enumerate(body):
+            depth += (c == "(") - (c == ")")
+            if depth == 0 and c == ")":
+                end = i
+                break
+        args = tuple(re.findall(r"%([\w.\-]+)", body[:end + 1]))
+        kernel = None
+        if op.group(1) == "custom-call":
+            k = re.search(r'name = \\?"([\w.]+)\\?"', body)
+            kernel = k.group(1) if k else None
+        insts.append(Inst(m.group(1), op.group(1), args, kernel))
+    if not insts:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return insts
+
+
+def align(insts: list[Inst], events: list[tuple[str, float]]) -> dict[str, float]:
+    """One step's kernel events (name, duration), in start order -> duration per kernel-launching
+    instruction. Kernels run in schedule order, one event per instruction; a sort launches two (its
+    copy to the output buffer, "memcpy...", then the sort pass "sort_<n>_<m>"), which both count. A Pallas custom call
+    must meet an event of its kernel's name (XLA appends "__N" to repeats); any mismatch or
+    left-over event raises ValueError: the trace is not this HLO's schedule."""
+    kernels = [i for i in insts if i.launches]
+    extra = len(events) - len(kernels)
+    if extra < 0:
+        raise ValueError(f"{len(events)} kernel events for {len(kernels)} kernel-launching instructions")
+    out: dict[str, float] = {}
+    j = 0
+    for inst in kernels:
+        name, dur = events[j]
+        j += 1
+        if inst.kernel and re.sub(r"__\d+$", "", name) != inst.kernel:
+            raise ValueError(f"event {j - 1} is {name!r}, the schedule has {inst.name} (kernel {inst.kernel!r})")
+        if name.startswith("memcpy") and extra > 0 and j < len(events) and re.fullmatch(r"sort_\d+_\d+",
+                                                                                        events[j][0]):
+            dur += events[j][1]
+            j += 1
+            extra -= 1
+        out[inst.name] = out.get(inst.name, 0.0) + dur
+    if j != len(events):
+        raise ValueError(f"{len(events) - j} kernel events left over after the schedule's last kernel")
+    return out
+
+
+def critical_path(insts: list[Inst], seconds: dict[str, float], per_launch: float = 0.0) -> tuple[float, list[str]]:
+    """The longest chain through the operand edges, each kernel-launching instruction weighing its
+    seconds plus `per_launch` -> (the chain's weight, its kernel-launching instructions in order).
+    The schedule order is topological, so one pass suffices."""
+    best: dict[str, float] = {}
+    prev: dict[str, str | None] = {}
+    for inst in insts:
+        b, p = 0.0, None
+        for a in inst.args:
+            if a in best and best[a] > b:
+                b, p = best[a], a
+        best[inst.name] = b + ((seconds.get(inst.name, 0.0) + per_launch) if inst.launches else 0.0)
+        prev[inst.name] = p
+    if not best:
+        return 0.0, []
+    end: str | None = max(best, key=best.get)
+    total = best[end]
+    by_name = {i.name: i for i in insts}
+    path = []
+    while end is not None:
+        if by_name[end].launches:
+            path.append(end)
+        end = prev[end]
+    return total, path[::-1]
+
+
+def path_by_source(path: list[str], insts: list[Inst], seconds: dict[str, float],
+                   source_of) -> dict[str, tuple[float, int]]:
+    """Seconds and launches on the path per source (`source_of(inst)`: a label, e.g. the emitting
+    project line from `model_speed.hlo_sources`), largest first."""
+    by_name = {i.name: i for i in insts}
+    out: dict[str, tuple[float, int]] = {}
+    for name in path:
+        label = source_of(by_name[name])
+        t, n = out.get(label, (0.0, 0))
+        out[label] = (t + seconds.get(name, 0.0), n + 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def steps_of(events: list[tuple[str, float, float]], steps: int) -> list[list[tuple[str, float]]]:
+    """Kernel events (name, start, duration) of `steps` identical steps -> per step, (name,
+    duration) in start order. Raises ValueError when they do not split evenly."""
+    ordered = sorted(events, key=lambda e: e[1])
+    if steps < 1 or len(ordered) % steps:
+        raise ValueError(f"{len(ordered)} kernel events do not split into {steps} equal steps")
+    n = len(ordered) // steps
+    return [[(e[0], e[2]) for e in ordered[s * n:(s + 1) * n]] for s in range(steps)]
+
+
+def mean_seconds(insts: list[Inst], steps: list[list[tuple[str, float]]]) -> dict[str, float]:
+    """`align` of each step, averaged."""
+    total: dict[str, float] = {}
+    for step in steps:
+        for k, v in align(insts, step).items():
+            total[k] = total.get(k, 0.0) + v / len(steps)
+    return total
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("hlo", help="optimized HLO text of the profiled program (.gz allowed)")
+    p.add_argument("events", help="JSON list of [name, start_ns, duration_ns] kernel events of whole steps")
+    p.add_argument("--steps", type=int, default=1, help="how many steps the events hold")
+    p.add_argument("--per-launch-us", type=float, default=0.0, help="cost added per dependent launch")
+    p.add_argument("--top", type=int, default=20)
+    ns = p.parse_args(argv)
+    raw = Path(ns.hlo).read_bytes()
+    text = (gzip.decompress(raw) if ns.hlo.endswith(".gz") else raw).decode()
+    insts = entry_instructions(text)
+    events = json.loads(Path(ns.events).read_text())
+    try:
+        secs = mean_seconds(insts, steps_of([(e[0], e[1] * 1e-9, e[2] * 1e-9) for e in events], ns.steps))
+    except ValueError as e:
+        p.error(f"{ns.events}: {e}")
+    total, path = critical_path(insts, secs, ns.per_launch_us * 1e-6)
+    n_kernels = sum(i.launches for i in insts)
+    print(f"{len(path)} of {n_kernels} kernels on the critical path: {sum(secs[k] for k in path) * 1e6:.1f} us of "
+          f"{sum(secs.values()) * 1e6:.1f} us kernel time; with {ns.per_launch_us} us a launch {total * 1e6:.1f} us")
+    for label, (t, n) in list(path_by_source(path, insts, secs, lambda i: i.kernel or re.sub(
+            r"[._]\d+$", "", i.name)).items())[:ns.top]:
+        print(f"  {label:<48} {t * 1e6:9.1f} us {n:4d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
