@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.numerics import cast, in_float64, mean, reciprocal_sqrt
+from dsv41_jax.numerics import cast, in_float64, mean, reciprocal_sqrt, sqrt
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ConfigError, ModelArgs
 from dsv41_jax.layers import Linear, linear_kernels
@@ -360,7 +360,7 @@ def engram_gate(h: jax.Array, key: jax.Array, weight: jax.Array, eps: float) -> 
         mean(jnp.square(key), axis=-1) + jnp.float32(eps)
     )
     dot = jnp.sum(h * weight * key, axis=-1) * rstd * jnp.float32(d**-0.5)
-    return in_float64(jax.nn.sigmoid, jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(GATE_CLAMP))), dot))
+    return in_float64(jax.nn.sigmoid, jnp.copysign(sqrt(jnp.maximum(jnp.abs(dot), jnp.float32(GATE_CLAMP))), dot))
 
 
 class Engram(nnx.Module):

@@ -33,7 +33,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear, apply_linears, linear_kernels
-from dsv41_jax.numerics import cast, exact_div, in_float64
+from dsv41_jax.numerics import cast, exact_div, in_float64, sqrt
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
 from pallas_kernels.topk.api import router_topk
@@ -80,7 +80,7 @@ class Gate(nnx.Module):
         elif self.score_func == "sigmoid":
             scores = in_float64(jax.nn.sigmoid, logits)
         else:
-            scores = jnp.sqrt(in_float64(jax.nn.softplus, logits))
+            scores = sqrt(in_float64(jax.nn.softplus, logits))  # both as torch rounds them
         bias = self.bias[...]
         if image_mask is not None and self.bias_vl is not None:
             bias = jnp.where(image_mask[:, None], self.bias_vl[...], bias)

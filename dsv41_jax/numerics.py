@@ -92,11 +92,17 @@ def mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
     return exact_div(jnp.sum(x, axis=axis, keepdims=keepdims), jnp.float32(n))
 
 
+def sqrt(x: jax.Array) -> jax.Array:
+    """The correctly rounded f32 square root, as torch.sqrt rounds: XLA:GPU's f32 square root is
+    not correctly rounded (measured on an H200: tests/test_numerics.py), so it is taken in float64
+    and rounded once (a float64 root of an f32 value rounds to the correctly rounded f32 root)."""
+    return in_float64(jnp.sqrt, x)
+
+
 def reciprocal_sqrt(x: jax.Array) -> jax.Array:
     """1 / sqrt(x) in f32 as the reference's torch.rsqrt rounds on CPU: the correctly rounded f32
-    square root, then a correctly rounded division (never XLA's approximate rsqrt). XLA:GPU's
-    f32 square root is not correctly rounded either, so it too is taken in float64 there."""
-    return exact_div(jnp.ones_like(x), in_float64(jnp.sqrt, x))
+    square root (`sqrt`), then a correctly rounded division (never XLA's approximate rsqrt)."""
+    return exact_div(jnp.ones_like(x), sqrt(x))
 
 
 def in_float64(fn, x: jax.Array) -> jax.Array:

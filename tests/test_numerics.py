@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax import numerics
 from dsv41_jax.numerics import exact_div, reciprocal_sqrt
 from dsv41_jax.quant import fp4_quant_dequant_e4m3
 
@@ -44,6 +45,21 @@ def test_exact_div_broadcasts_a_row_divisor_without_a_reciprocal_multiply():
     b = _random_f32(rng, 64).reshape(64, 1)
     got = np.asarray(jax.jit(exact_div)(jnp.asarray(a), jnp.asarray(b)))
     np.testing.assert_array_equal(got.view(np.int32), (a / b).view(np.int32))
+
+
+def test_sqrt_is_the_ieee_square_root_taken_in_float64():
+    """`numerics.sqrt` (the router's sqrt-softplus, the Engram gate) is the correctly rounded f32
+    root on every backend: random f32 values and values next to perfect squares, whose roots lie
+    close to an f32 value (normal inputs: XLA flushes f32 subnormals); it is formed in float64
+    (XLA:GPU's f32 root is not correctly rounded)."""
+    rng = np.random.default_rng(7)
+    r = rng.integers(1 << 11, 1 << 12, 20_000).astype(np.float32)
+    near = np.concatenate([np.nextafter(r * r, np.float32(np.inf)), np.nextafter(r * r, np.float32(0))])
+    x = np.concatenate([np.abs(_random_f32(rng, 200_000)), near, np.float32([0.0, 1.1754944e-38, 3.4e38])])
+    got = np.asarray(jax.jit(numerics.sqrt)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got.view(np.int32), np.sqrt(x).view(np.int32))
+    hlo = jax.jit(numerics.sqrt).lower(jnp.asarray(x)).as_text()
+    assert "f64" in hlo and "sqrt" in hlo
 
 
 def test_reciprocal_sqrt_is_one_over_the_ieee_square_root():
