@@ -74,7 +74,9 @@ class Gate(nnx.Module):
         logits = jax.lax.dot_general(
             x.astype(_F32), self.weight[...].astype(_F32), (((1,), (1,)), ((), ())),
             precision=_HIGHEST, preferred_element_type=_F32,
-        ) / _F32(self.gate_temp)
+        )
+        if self.gate_temp != 1.0:  # torch divides (XLA would multiply by the rounded reciprocal)
+            logits = exact_div(logits, _F32(self.gate_temp))
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
         elif self.score_func == "sigmoid":

@@ -558,3 +558,20 @@ def test_golden_routed_expert_matches_float64_from_the_checkpoint(golden):
         worst = max(worst, int(d.max()))
         assert np.mean(d == 0) >= 0.999 and d.max() <= 1, (e, np.mean(d == 0), d.max())
     print(f"{golden.name}: routed experts of layer 3, max bf16-ulp distance to float64: {worst}")
+
+
+def test_gate_divides_its_logits_by_gate_temp_as_torch_does():
+    """gate_temp != 1: each logit / gate_temp is the correctly rounded quotient (XLA turns a
+    division by a constant into a multiply by its rounded reciprocal: a third of the quotients
+    by 3 differ in the last bit). One-hot inputs scaled by bf16 factors make every logit exact,
+    so the weights must equal the numpy statement bit for bit."""
+    args = ModelArgs.tiny(gate_temp=3.0, n_activated_experts=3)
+    rng = np.random.default_rng(3)
+    x = np.zeros((256, args.dim), F32)
+    x[:, 0] = bf16(rng.uniform(0.5, 2.0, 256))
+    g = hand_gate(args, bf16(rng.standard_normal(8) * 2))
+    w, idx = jax.jit(lambda v: g(v))(jnp.asarray(x, jnp.bfloat16))
+    p = {"gate.weight": np.asarray(g.weight[...], np.float64), "gate.bias": np.zeros(8, F32)}
+    w_ref, idx_ref = np_gate(x, p, args)
+    np.testing.assert_array_equal(np.asarray(idx), idx_ref)
+    np.testing.assert_array_equal(np.asarray(w).view(np.int32), w_ref.view(np.int32))
