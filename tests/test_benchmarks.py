@@ -293,3 +293,34 @@ def test_critical_path_reads_a_compiled_program_and_model_speed_reports_it(tmp_p
     rep2 = model_speed.Report(tmp_path / "b", {})
     model_speed.critical_path_rows(rep2, "decode fast", 1, 8, _CP_HLO, events[:5], 1, {}, 5)
     assert rep2.rows[0]["seconds"] is None and "kernel events" in rep2.rows[0]["error"]
+
+
+def test_summary_takes_each_rows_latest_run_and_speed_ups_within_one_run(capsys, tmp_path):
+    from benchmarks import summary
+
+    def row(name, batch, context, seconds, run, frac=0.5):
+        return {"name": name, "batch": batch, "context": context, "seconds": seconds, "run": run, "part": "a",
+                "fraction_of_ceiling": frac, "ceiling": "hbm"}
+    rows = [row("decode fast loop", 1, 4096, 2e-3, 20), row("decode fast loop", 1, 4096, 1.5e-3, 22),
+            row("decode fast loop", 1, 4096, None, 23),  # a failed row does not count
+            row("decode fast loop, variant (not kept)", 1, 4096, 1e-3, 24),
+            row("decode reference loop", 1, 4096, 3e-3, 20), row("decode fast loop", 64, 4096, 0.015, 21),
+            row("layer fast 10 reuse r1 loop", 1, 4096, 2e-4, 19), row("layer fast 2 window loop", 1, 4096, 1e-4, 19)]
+    t = {(e["name"], e["batch"]): e for e in summary.table(rows)}
+    assert t[("decode fast loop", 1)]["seconds"] == 1.5e-3 and t[("decode fast loop", 1)]["run"] == 22
+    assert t[("decode fast loop", 1)]["goal"] == 0.75 and t[("decode fast loop", 64)]["goal"] == 0.80
+    assert summary.layer_names(rows) == ["layer fast 2 window loop", "layer fast 10 reuse r1 loop"]
+    # the speed-up pairs run 20's two rows, not run 22's fast row with run 20's reference
+    assert summary.speedups(rows) == [{"batch": 1, "context": 4096, "run": 20, "fast_s": 2e-3, "reference_s": 3e-3,
+                                       "speedup": 1.5}]
+    assert "| decode fast loop | 1 | 4096 | 1500.0 µs | 50.0% of hbm | 75% | 22a |" in summary.markdown(rows)
+    # the committed H200 results hold every decode and prefill row the suite reports
+    assert summary.main([]) == 0
+    out = capsys.readouterr().out
+    for name, batch, context in summary.DECODE + summary.PREFILL:
+        assert f"| {name} | {batch} | {context} |" in out
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        summary.main([str(bad)])
+    assert "not a results file" in capsys.readouterr().err
