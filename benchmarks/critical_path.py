@@ -148,6 +148,12 @@ def critical_path(insts: list[Inst], seconds: dict[str, float], per_launch: floa
     return total, path[::-1]
 
 
+def kernel_label(inst: Inst) -> str:
+    """A label for an instruction without a known source line: its Pallas kernel's name, else
+    its name without the numeric suffix ("input_reduce_fusion.62" -> "input_reduce_fusion")."""
+    return inst.kernel or re.sub(r"[._]\d+$", "", inst.name)
+
+
 def path_by_source(path: list[str], insts: list[Inst], seconds: dict[str, float],
                    source_of) -> dict[str, tuple[float, int]]:
     """Seconds and launches on the path per source (`source_of(inst)`: a label, e.g. the emitting
@@ -188,20 +194,24 @@ def main(argv=None) -> int:
     p.add_argument("--per-launch-us", type=float, default=0.0, help="cost added per dependent launch")
     p.add_argument("--top", type=int, default=20)
     ns = p.parse_args(argv)
-    raw = Path(ns.hlo).read_bytes()
-    text = (gzip.decompress(raw) if ns.hlo.endswith(".gz") else raw).decode()
-    insts = entry_instructions(text)
-    events = json.loads(Path(ns.events).read_text())
     try:
-        secs = mean_seconds(insts, steps_of([(e[0], e[1] * 1e-9, e[2] * 1e-9) for e in events], ns.steps))
+        raw = Path(ns.hlo).read_bytes()
+        insts = entry_instructions((gzip.decompress(raw) if ns.hlo.endswith(".gz") else raw).decode())
+    except (OSError, ValueError) as e:
+        p.error(f"{ns.hlo}: not an optimized HLO text with an ENTRY computation ({type(e).__name__}: {e})")
+    try:
+        events = [(str(e[0]), e[1] * 1e-9, e[2] * 1e-9) for e in json.loads(Path(ns.events).read_text())]
+    except (OSError, ValueError, TypeError, IndexError) as e:
+        p.error(f"{ns.events}: not a JSON list of [name, start_ns, duration_ns] events ({type(e).__name__}: {e})")
+    try:
+        secs = mean_seconds(insts, steps_of(events, ns.steps))
     except ValueError as e:
         p.error(f"{ns.events}: {e}")
     total, path = critical_path(insts, secs, ns.per_launch_us * 1e-6)
     n_kernels = sum(i.launches for i in insts)
     print(f"{len(path)} of {n_kernels} kernels on the critical path: {sum(secs[k] for k in path) * 1e6:.1f} us of "
           f"{sum(secs.values()) * 1e6:.1f} us kernel time; with {ns.per_launch_us} us a launch {total * 1e6:.1f} us")
-    for label, (t, n) in list(path_by_source(path, insts, secs, lambda i: i.kernel or re.sub(
-            r"[._]\d+$", "", i.name)).items())[:ns.top]:
+    for label, (t, n) in list(path_by_source(path, insts, secs, kernel_label).items())[:ns.top]:
         print(f"  {label:<48} {t * 1e6:9.1f} us {n:4d}")
     return 0
 

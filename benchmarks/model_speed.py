@@ -870,13 +870,13 @@ def critical_path_rows(rep, name, batch, context, hlo_text: str, events, reps: i
         rep.add(name=f"{name} critical path", batch=batch, context=context, seconds=None, bytes=0, flops=0,
                 fraction_of_ceiling=None, error=str(e)[:300])
         return
-    _, path = cp.critical_path(insts, secs)
-    rep.add(name=f"{name} critical path", batch=batch, context=context, seconds=sum(secs[k] for k in path), bytes=0,
+    total, path = cp.critical_path(insts, secs)
+    rep.add(name=f"{name} critical path", batch=batch, context=context, seconds=total, bytes=0,
             flops=0, fraction_of_ceiling=None, kernels_on_path=len(path), kernels_per_step=len(secs),
             kernel_time_s=sum(secs.values()))
 
     def label(inst):
-        return _source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or inst.kernel or re.sub(r"[._]\d+$", "", inst.name)
+        return _source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or cp.kernel_label(inst)
 
     for src, (t, n) in list(cp.path_by_source(path, insts, secs, label).items())[:top]:
         rep.add(name=f"  path src {src[:53]}", batch=batch, context=context, seconds=t, bytes=0, flops=0,

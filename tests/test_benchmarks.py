@@ -4,6 +4,8 @@ rows' fractions of the bandwidth rest on, and the prefill's FLOP count."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -324,3 +326,20 @@ def test_summary_takes_each_rows_latest_run_and_speed_ups_within_one_run(capsys,
     with pytest.raises(SystemExit):
         summary.main([str(bad)])
     assert "not a results file" in capsys.readouterr().err
+
+
+def test_critical_path_cli_names_the_file_it_cannot_read(tmp_path, capsys):
+    from benchmarks import critical_path as cp
+
+    hlo, events = tmp_path / "step.hlo.txt", tmp_path / "events.json"
+    hlo.write_text(_CP_HLO)
+    events.write_text(json.dumps([[n, i * 1000, int(d * 1000)] for i, (n, d) in enumerate(_CP_EVENTS)]))
+    assert cp.main([str(hlo), str(events)]) == 0
+    assert "3 of 6 kernels on the critical path: 34.0 us of 50.0 us kernel time" in capsys.readouterr().out
+    for args, what in (([str(tmp_path / "missing.txt"), str(events)], "missing.txt: not an optimized HLO"),
+                       ([str(events), str(events)], "events.json: not an optimized HLO"),
+                       ([str(hlo), str(hlo)], "step.hlo.txt: not a JSON list"),
+                       ([str(hlo), str(events), "--steps", "4"], "events.json: 7 kernel events do not split")):
+        with pytest.raises(SystemExit):
+            cp.main(args)
+        assert what in capsys.readouterr().err
