@@ -343,3 +343,79 @@ def test_critical_path_cli_names_the_file_it_cannot_read(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cp.main(args)
         assert what in capsys.readouterr().err
+
+
+# the routed-expert kernel's K loop as cuobjdump prints it (lines of a real sm_90 listing of the
+# default decode tile, compiled by benchmarks/triton_sass.py, with most of the loop left out):
+# two instructions before the loop, the loop from 0x1330 to its branch, two after
+_SASS = """
+        Function : expert_matmul_fp4_x2
+        /*1300*/                   STL [R1], RZ ;
+        /*1310*/                   LDGDEPBAR ;
+        /*1330*/                   UIADD3 UR8, UR8, 0x1, URZ ;
+        /*1340*/                   DEPBAR.LE SB0, 0xc ;
+        /*1380*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*15b0*/                   LOP3.LUT R10, R10, 0x1c001c0, RZ, 0xc0, !PT ;
+        /*15c0*/                   IMAD.MOV.U32 R14, RZ, RZ, R134 ;
+        /*15e0*/                   LDS.64 R154, [R6+UR12+0x10000] ;
+        /*1620*/                   HMUL2.BF16_V2 R8, R8, 8.50705917302346158658e+37, 8.50705917302346158658e+37 ;
+        /*1630*/                   PRMT R43, R58, 0x4400, R59 ;
+        /*1660*/                   HMUL2.BF16_V2 R8, R8, R82.reuse.H0_H0 ;
+        /*1780*/                   HMMA.16816.F32.BF16 R88, R12, R8, RZ ;
+        /*1790*/                   LDS.128 R12, [R249+UR13+0x80] ;
+        /*1840*/                   LDS.U8 R3, [R0+UR14+0x18008] ;
+        /*bb20*/                   LDGSTS.E.BYPASS.128 [R31+0xa800], desc[UR10][R10.64], !P3 ;
+        /*bb60*/                   LDGDEPBAR ;
+        /*bba0*/               @P0 BRA 0x1330 ;
+        /*bbb0*/                   LDL.LU R38, [R1+0x50] ;
+        /*bbc0*/                   DEPBAR.LE SB0, 0x0 ;
+"""
+
+
+def test_triton_sass_counts_the_loop_between_a_backward_branch_and_its_target():
+    from benchmarks import triton_sass
+
+    st = triton_sass.loop_stats(_SASS)
+    assert st["instructions"] == 15  # 0x1330 .. the branch; not the STL / LDL outside
+    assert st["ops"] == {"HMUL2": 2, "UIADD3": 1, "DEPBAR": 1, "BAR": 1, "LOP3": 1, "IMAD.MOV": 1, "LDS.64": 1,
+                         "PRMT": 1, "HMMA.16816": 1, "LDS.128": 1, "LDS.U8": 1, "LDGSTS": 1, "LDGDEPBAR": 1,
+                         "BRA": 1}
+    with pytest.raises(ValueError, match="no backward conditional branch"):
+        triton_sass.loop_stats(_SASS.replace("@P0 BRA 0x1330", "@P0 BRA 0xbbc0"))
+
+
+def test_triton_sass_lowers_the_expert_kernel_for_cuda_without_a_gpu():
+    """The Triton IR comes from jax's own Pallas lowering (no GPU, no triton package): one module
+    for the decode tile's fused w1 + w3 launch, at the model's defaults, with the "pairs" PTX."""
+    from benchmarks import triton_sass
+
+    ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w1+w3 decode"])
+    assert (kw["block_n"], kw["block_k"], kw["num_stages"], kw["decode"], kw["rows"]) == (64, 512, 3, "pairs", 16)
+    assert ir.count("tt.dot") == 16 and "prmt.b32" in ir  # 8 code positions x 2 weights
+    ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"], decode="select", num_warps=8)
+    assert ir.count("tt.dot") == 8 and "prmt.b32" not in ir and kw["num_warps"] == 8
+
+
+def test_triton_sass_cli_names_the_bad_flag(capsys):
+    from benchmarks import triton_sass
+
+    for args, what in ((["--sites", "w9"], "--sites: unknown ['w9']"), (["--variants", "{}"], "--variants: expected"),
+                       (["--variants", "[{"], "--variants:")):
+        with pytest.raises(SystemExit):
+            triton_sass.main(args)
+        assert what in capsys.readouterr().err
+
+
+def test_triton_sass_compiles_the_decode_and_prefill_tiles():
+    """With the triton package: the 16-row decode tile multiplies on mma.sync (HMMA, register
+    operands: no store of a decoded tile to shared memory in the loop), the 64-row prefill tile
+    on wgmma (HGMMA), whose weight operand is stored to shared memory first (STS)."""
+    pytest.importorskip("triton")
+    from benchmarks import triton_sass
+
+    dec = triton_sass.site_row("w1 decode", {})
+    assert list(dec["mma"]) == ["HMMA.16816"] and dec["sts"] == 0, dec
+    pre = triton_sass.site_row("w1 prefill", {})
+    assert list(pre["mma"]) == ["HGMMA.64"] and pre["sts"] > 0, pre
+    sel = triton_sass.site_row("w1 decode", {"decode": "select"})
+    assert sel["alu_per_code"] > 2 * dec["alu_per_code"], (sel, dec)

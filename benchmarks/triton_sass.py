@@ -1,0 +1,231 @@
+"""The routed-expert kernel's machine code without a GPU: instruction counts of its K loop.
+
+    pip install triton   # not a project dependency: only this tool uses it
+    python -m benchmarks.triton_sass [--variants JSON] [--sites ...] [--json PATH]
+
+The Pallas kernel (`pallas_kernels.expert_matmul.kernel_gpu`) is lowered for CUDA on this host
+(no GPU needed: the Pallas -> Triton IR step is jax's own), and the Triton IR is compiled for
+sm_90 by the `triton` package's compiler and `ptxas`, then disassembled. For each site and
+variant the tool reports the K loop of the SASS (the block a backward branch repeats, one K step
+of the software pipeline): its instructions (per warp, i.e. per thread), the instructions per fp4 code (a thread's
+share of the step's codes), the mix (decode: integer and packed-bf16 operations; MMA: HMMA =
+warp-level mma.sync with register operands, HGMMA = warpgroup wgmma reading shared memory;
+STS = stores to shared memory, i.e. a decoded tile on its way to the MMA), registers, spill
+traffic (STL / LDL in the loop) and shared memory.
+
+The compiler is the `triton` package's, not the Triton inside the jaxlib that runs the kernel on
+a GPU: versions and pass pipelines differ, so the counts describe this compilation; a device's
+own SASS (XLA's dump of the kernel) is what to compare them with.
+
+Variants are `kernel_gpu.expert_matmul` keyword overrides on top of the model's defaults for the
+site (`api.BlockSizes.resolved`), e.g. '[{"decode": "select"}, {"num_warps": 8}]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+# site -> (N, K, weights per launch, rows per tile): the released w1 / w3 (fused at decode
+# tiles), w2, and a prefill-sized tile
+SITES = {
+    "w1+w3 decode": (2304, 5120, 2, 16),
+    "w1 decode": (2304, 5120, 1, 16),
+    "w2 decode": (5120, 2304, 1, 16),
+    "w1 prefill": (2304, 5120, 1, 64),
+}
+# the element-wise families the decodes compile to (integer logic, shifts, byte permutes,
+# packed-bf16 and fp32 multiplies, conversions, selects)
+ALU_OPS = ("LOP3", "SHF", "PRMT", "HMUL2", "HFMA2", "IMAD.SHL", "FMUL", "F2FP", "SEL", "ISETP", "SGXT")
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+
+
+def triton_ir(fn, *args) -> list[str]:
+    """The Triton IR (text) of every Pallas Triton call in `jax.jit(fn)` lowered for CUDA."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    captured = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        result = original(*a, **kw)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = original
+    return captured
+
+
+def expert_ir(n: int, k: int, g: int, rows: int, **overrides) -> tuple[str, dict]:
+    """(Triton IR, the kernel's keyword arguments) of one expert-kernel launch at the model's
+    defaults for `rows` per tile, with `overrides`."""
+    from pallas_kernels.expert_matmul import api, kernel_gpu
+
+    bs = api.BlockSizes().resolved(rows, n, k, interpret=False)
+    kw = {"rows": rows, "block_n": bs.block_n, "block_k": bs.block_k, "num_warps": bs.num_warps,
+          "num_stages": bs.num_stages, "decode": bs.decode, "mask_x": bs.mask_x}
+    kw.update(overrides)
+    n_exp = 3
+    x = jnp.zeros((kw["rows"], k), jnp.bfloat16)
+    w = jnp.zeros((n_exp, n, k // 2), jnp.int8)
+    s = jnp.zeros((n_exp, n, k // 32), jnp.uint8)
+    t = [jnp.asarray([v], jnp.int32) for v in (n_exp - 1, 0, kw["rows"])]
+    ws, ss = ((w,) * g, (s,) * g) if g > 1 else (w, s)
+    irs = triton_ir(lambda x: kernel_gpu.expert_matmul(x, ws, ss, *t, interpret=False, **kw), x)
+    if len(irs) != 1:
+        raise RuntimeError(f"expected one Pallas Triton call, lowered {len(irs)}")
+    return irs[0], kw
+
+
+def fuse_dot_add(ir: str) -> tuple[str, int]:
+    """(IR, rewrites): each `%r = tt.dot %a, %b, %zero` directly followed by `%s = arith.addf %acc, %r`
+    becomes `%s = tt.dot %a, %b, %acc` (the accumulator inside the MMA). Pallas lowers `acc +
+    dot(a, b)` to the first form, which this Triton does not combine; the rewrite measures what the
+    second would give (the fp32 sums then run in another order)."""
+    lines, out, n, i = ir.split("\n"), [], 0, 0
+    while i < len(lines):
+        dot = re.match(r"(\s+)(%\w+) = tt\.dot (%\w+), (%\w+), %\w+, (.*)$", lines[i])
+        add = dot and i + 1 < len(lines) and re.match(
+            r"\s+(%\w+) = arith\.addf (%\w+), " + re.escape(dot.group(2)) + r" : ", lines[i + 1])
+        if add:
+            out.append(f"{dot.group(1)}{add.group(1)} = tt.dot {dot.group(3)}, {dot.group(4)}, {add.group(2)}, "
+                       f"{dot.group(5)}")
+            n, i = n + 1, i + 2
+        else:
+            out.append(lines[i])
+            i += 1
+    return "\n".join(out), n
+
+
+def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> tuple[str, str]:
+    """(SASS text, cuobjdump's resource-usage line) of Triton IR compiled for sm_`capability`."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ttir"
+        src.write_text(ir)
+        compiled = triton.compile(str(src), target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], check=True, capture_output=True,
+                               text=True).stdout
+    line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
+    return sass, line
+
+
+def loop_stats(sass: str) -> dict:
+    """Instruction mix of the innermost loop of a SASS listing: the instructions from the target
+    of the first conditional backward branch up to that branch. Opcodes are counted with their
+    first modifier for the MMA, shared-memory and decode families (HMMA.16816, LDS.128, ...)."""
+    instrs = []  # (address, opcode, modifiers, text)
+    for line in sass.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            instrs.append((int(m.group(1), 16), m.group(2), m.group(3), line))
+    for i, (addr, op, _, text) in enumerate(instrs):
+        b = re.search(r"@!?P\d+\s+BRA\s+0x([0-9a-f]+)", text)
+        if op == "BRA" and b and int(b.group(1), 16) < addr:
+            target = int(b.group(1), 16)
+            body = [x for x in instrs[:i + 1] if x[0] >= target]
+            break
+    else:
+        raise ValueError("no backward conditional branch (no loop) in the SASS")
+    ops = collections.Counter()
+    for _, op, mods, _ in body:
+        first = mods.split(".")[1] if mods.count(".") >= 1 else ""
+        keep = op in ("HMMA", "HGMMA", "LDS", "STS", "LDSM", "IMAD") and first
+        ops[f"{op}.{first}" if keep else op] += 1
+    return {"instructions": len(body), "ops": dict(ops.most_common())}
+
+
+def _count(ops: dict, *prefixes: str) -> int:
+    return sum(v for k, v in ops.items() if k.startswith(prefixes))
+
+
+def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
+    n, k, g, rows = SITES[site]
+    ir, kw = expert_ir(n, k, g, rows, **variant)
+    if fuse_accumulate:
+        ir, fused = fuse_dot_add(ir)
+        if not fused:
+            raise RuntimeError(f"{site}: no dot followed by an add of its result in the IR")
+    sass, usage = compile_sass(ir, kw["num_warps"], kw["num_stages"])
+    st = loop_stats(sass)
+    ops = st["ops"]
+    # a thread's codes per K step: a warp's instruction works for its 32 threads, and the warps
+    # of a program share the step's g x block_n x block_k codes
+    codes = g * kw["block_n"] * kw["block_k"] / (kw["num_warps"] * 32)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"site": site, "variant": variant, "fuse_accumulate": fuse_accumulate, "kernel": {k_: v for k_, v in kw.items() if k_ != "rows"} | {"rows": rows},
+            "loop_instructions": st["instructions"], "codes_per_thread": codes,
+            "instructions_per_code": st["instructions"] / codes,
+            "alu_per_code": _count(ops, *ALU_OPS) / codes,
+            "moves_per_code": _count(ops, "MOV", "IMAD.MOV") / codes,
+            "mma": {k_: v for k_, v in ops.items() if k_.startswith(("HMMA", "HGMMA"))},
+            "sts": _count(ops, "STS"), "lds": _count(ops, "LDS"), "spill_ops": _count(ops, "STL", "LDL"),
+            "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
+            "top_ops": dict(list(ops.items())[:12])}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.triton_sass", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="[{}]", help="JSON list of kernel keyword overrides ({} = the defaults)")
+    p.add_argument("--sites", default=",".join(SITES), help=f"comma-separated, of: {', '.join(SITES)}")
+    p.add_argument("--fuse-accumulate", action="store_true",
+                   help="also compile each variant with the accumulator moved into its dots (fuse_dot_add)")
+    p.add_argument("--json", default=None)
+    ns = p.parse_args(argv)
+    try:
+        variants = json.loads(ns.variants)
+        if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+            raise ValueError("expected a JSON list of objects")
+    except ValueError as e:
+        p.error(f"--variants: {e}")
+    sites = [s.strip() for s in ns.sites.split(",") if s.strip()]
+    bad = [s for s in sites if s not in SITES]
+    if bad:
+        p.error(f"--sites: unknown {bad}; known: {list(SITES)}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        p.error("the triton package is needed (pip install triton); it is not a project dependency")
+    rows = []
+    print("| site | variant | loop instr. / warp | instr. / code | ALU / code | moves / code | MMA | STS | "
+          "spill ops | regs | stack B |")
+    print("|" + " --- |" * 11)
+    for site in sites:
+        for v, fuse in ((v, f) for v in variants for f in ((False, True) if ns.fuse_accumulate else (False,))):
+            r = site_row(site, v, fuse)
+            rows.append(r)
+            mma = ", ".join(f"{k} {c}" for k, c in r["mma"].items())
+            label = (json.dumps(v) if v else "default") + (", accumulator in the dots" if fuse else "")
+            print(f"| {site} | {label} | {r['loop_instructions']} | "
+                  f"{r['instructions_per_code']:.2f} | {r['alu_per_code']:.2f} | {r['moves_per_code']:.2f} | {mma} | "
+                  f"{r['sts']} | {r['spill_ops']} | {r['registers']} | {r['stack_bytes']} |", flush=True)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
