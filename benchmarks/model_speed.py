@@ -360,8 +360,8 @@ def ceilings(rep: Report, tiny: bool) -> dict:
 
 
 # expert_matmul.BlockSizes fields tried on one projection ({}: the defaults)
-KERNEL_VARIANTS = ({}, {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64},
-                   {"num_warps": 8})
+KERNEL_VARIANTS = ({}, {"one_dot": True}, {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256},
+                   {"block_n": 64}, {"num_warps": 8})
 
 
 def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0, variants=KERNEL_VARIANTS):

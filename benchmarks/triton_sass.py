@@ -77,7 +77,7 @@ def expert_ir(n: int, k: int, g: int, rows: int, **overrides) -> tuple[str, dict
 
     bs = api.BlockSizes().resolved(rows, n, k, interpret=False)
     kw = {"rows": rows, "block_n": bs.block_n, "block_k": bs.block_k, "num_warps": bs.num_warps,
-          "num_stages": bs.num_stages, "decode": bs.decode, "mask_x": bs.mask_x}
+          "num_stages": bs.num_stages, "decode": bs.decode, "mask_x": bs.mask_x, "one_dot": bs.one_dot}
     kw.update(overrides)
     n_exp = 3
     x = jnp.zeros((kw["rows"], k), jnp.bfloat16)

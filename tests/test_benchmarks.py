@@ -419,3 +419,11 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     assert list(pre["mma"]) == ["HGMMA.64"] and pre["sts"] > 0, pre
     sel = triton_sass.site_row("w1 decode", {"decode": "select"})
     assert sel["alu_per_code"] > 2 * dec["alu_per_code"], (sel, dec)
+
+
+def test_default_expert_variants_are_block_size_fields():
+    from pallas_kernels.expert_matmul import api
+
+    for v in model_speed.KERNEL_VARIANTS:
+        api.BlockSizes(**v)  # a misspelt field would be a TypeError here, not a silent error row on the GPU
+    assert {"one_dot": True} in model_speed.KERNEL_VARIANTS

@@ -178,6 +178,23 @@ class TestKernelInterpret(GatherBase):
     interpret = True
 
 
+class TestKernelInterpretOneDot(GatherBase):
+    # the 8 decoded code positions concatenated along K: one dot a K step
+    implementation = "pallas"
+    interpret = True
+    block_sizes = api.BlockSizes(one_dot=True)
+
+
+def test_concat_k_puts_code_position_j_at_columns_j_kw():
+    """`_concat_k` of the 8 code-position arrays [bn, kw] is their concatenation along K, the
+    order of x's permuted columns (code j of word c at column j*kw + c)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    parts = [jnp.asarray(np.arange(15).reshape(3, 5) + 100 * j, jnp.int32) for j in range(8)]
+    got = np.asarray(kernel_gpu._concat_k(parts))
+    np.testing.assert_array_equal(got, np.concatenate([np.asarray(p) for p in parts], axis=1))
+
+
 def test_unfused_unmasked_kernel_gives_the_same_bits():
     """Interpret mode: one launch per weight with every row of a tile's x read (the padding rows
     too) gives the fused, masked default's outputs bit for bit, on the gather and grouped paths."""
@@ -210,6 +227,11 @@ class TestKernelGPU(GatherBase):
 @needs_gpu
 class TestKernelGPUUnfusedUnmasked(TestKernelGPU):
     block_sizes = api.BlockSizes(fuse=False, mask_x=False)
+
+
+@needs_gpu
+class TestKernelGPUOneDot(TestKernelGPU):
+    block_sizes = api.BlockSizes(one_dot=True)
 
 
 @needs_gpu
@@ -246,15 +268,17 @@ def test_pairs_bit_logic():
         assert f"{sel:#x}" in ptx and f"r_u, {codes[j % 2][1]};" in ptx and f"r_u, {codes[j % 2][2]};" in ptx
 
 
+@pytest.mark.parametrize("one_dot", [False, True])
 @pytest.mark.parametrize("decode", ["select", "subnormal", "pairs"])
-def test_kernel_lowers_to_triton_for_cuda(decode):
+def test_kernel_lowers_to_triton_for_cuda(decode, one_dot):
     """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering)."""
     from pallas_kernels.expert_matmul import kernel_gpu
 
     x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 16)
     te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [16]))
     f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=16, block_n=64, block_k=256,
-                                                 num_warps=4, num_stages=3, interpret=False, decode=decode)
+                                                 num_warps=4, num_stages=3, interpret=False, decode=decode,
+                                                 one_dot=one_dot)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "expert_matmul_fp4" in text
 

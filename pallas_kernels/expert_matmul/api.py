@@ -67,6 +67,11 @@ class BlockSizes:
     mask_x: each program loads only its tile's valid rows of x (a gather tile holds one pair, so
       15 of its 16 rows are other pairs' rows that are never stored; a 64-token decode's grouped
       tiles hold 1-2 pairs).
+    one_dot: one dot a K step on the 8 decoded code positions concatenated along K, instead of a
+      dot per code position plus an add of its result (kernel_gpu.expert_matmul). Compiled without
+      a GPU (benchmarks/triton_sass.py, triton 3.9.0): the K loop's instructions fall 5% (w1 + w3
+      at decode tiles), 8% (w1) and 41% (64-row prefill tiles), the fused launch's spills mostly
+      go; not yet timed on a GPU, hence off.
     Measured in the six-layer decode step on the H200 (benchmarks/README.md, tenth run, device
     time a step, against the ninth run's unmasked, unfused kernels): w2 with masked x 133 against
     147 µs at one token, 3847 against 4408 at 64 tokens; w1 and w3 fused with masked x 267
@@ -81,6 +86,7 @@ class BlockSizes:
     decode: str | None = None
     fuse: bool | None = None
     mask_x: bool = True
+    one_dot: bool = False
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
         # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
@@ -132,7 +138,7 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
         return kernel_gpu.expert_matmul(
             x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
             num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
-            decode=bs.decode, mask_x=bs.mask_x)
+            decode=bs.decode, mask_x=bs.mask_x, one_dot=bs.one_dot)
 
     try:
         if many and not bs.fuse:

@@ -114,8 +114,18 @@ def _e8m0_bf16(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
 
 
+def _concat_k(parts: list) -> jax.Array:
+    """8 arrays [bn, kw] -> [bn, 8 kw], part j at columns [j kw, (j + 1) kw): two-way stacks along a
+    new last axis (Triton joins), the three stacked axes moved in front of the columns, merged."""
+    bn, kw = parts[0].shape
+    level = [jnp.stack([parts[j], parts[j + 1]], axis=-1) for j in range(0, 8, 2)]  # bit 0 of j
+    level = [jnp.stack([level[j], level[j + 1]], axis=-1) for j in range(0, 4, 2)]  # bit 1
+    full = jnp.stack(level, axis=-1)  # [bn, kw, 2 (bit 0), 2 (bit 1), 2 (bit 2)]
+    return jnp.transpose(full, (0, 4, 3, 2, 1)).reshape(bn, 8 * kw)
+
+
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
-            n_kblocks: int, decode: str, mask_x: bool):
+            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
     # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16 (this program writes rows [row0, row0 +
@@ -143,25 +153,32 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         return [((_e2m1_subnormal_f32(words, j) if decode == "subnormal" else _e2m1_f32((words >> (4 * j)) & 0xF))
                  * sf).astype(jnp.bfloat16) for j in range(8)]
 
-    def x_cols(c0):
-        """x columns [c0, c0 + kw) of the tile's rows: [rows, kw] bf16; with `mask_x` rows past
-        `valid` are not read (zeros: they belong to other tiles and are never stored)."""
-        ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, kw)]
+    def x_cols(c0, width):
+        """x columns [c0, c0 + width) of the tile's rows: [rows, width] bf16; with `mask_x` rows
+        past `valid` are not read (zeros: they belong to other tiles and are never stored)."""
+        ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, width)]
         if not mask_x:
             return ref[...]
-        r = jax.lax.broadcasted_iota(jnp.int32, (rows, kw), 0)
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)
         return plgpu.load(ref, mask=r < valid, other=0.0)
 
     @pl.when(valid > 0)
     def _():
         def body(jb, accs):
-            xs = [x_cols(jb * block_k + j * kw) for j in range(8)]  # code j of every word: x columns j*kw + c
+            if one_dot:  # the step's x columns at once: code j of word c is column j*kw + c
+                xb = x_cols(jb * block_k, block_k)
+            else:  # code j of every word: x columns j*kw + c
+                xs = [x_cols(jb * block_k + j * kw, kw) for j in range(8)]
             new = []
             for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
                 words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
                 sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
-                for xj, wj in zip(xs, codes(words, sb)):
-                    acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
+                if one_dot:
+                    acc = acc + jax.lax.dot_general(xb, _concat_k(codes(words, sb)), dims,
+                                                    preferred_element_type=jnp.float32)
+                else:
+                    for xj, wj in zip(xs, codes(words, sb)):
+                        acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
                 new.append(acc)
             return tuple(new)
 
@@ -175,7 +192,8 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
 
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
-                  num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False):
+                  num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False,
+                  one_dot: bool = False):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
 
@@ -190,7 +208,10 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     fp32 summation order).
 
     decode: "select", "subnormal" or "pairs" (module docstring). mask_x: load only the tile's
-    valid rows of x (the others read as zeros; either way they are never stored).
+    valid rows of x (the others read as zeros; either way they are never stored). one_dot: the 8
+    decoded code positions concatenated along K ([block_n, block_k], in x's permuted column
+    order) for one dot a K step, instead of 8 dots whose results are added (Pallas gives each dot
+    a zero accumulator and adds it after: an fp32 add per accumulator element per dot).
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     many = isinstance(w, (tuple, list))
@@ -227,7 +248,7 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
     t = tile_expert.shape[0]
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
-                               decode=decode, mask_x=mask_x)
+                               decode=decode, mask_x=mask_x, one_dot=one_dot)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     out = pl.pallas_call(
         kernel,
