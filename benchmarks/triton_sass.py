@@ -2,6 +2,7 @@
 
     pip install triton   # not a project dependency: only this tool uses it
     python -m benchmarks.triton_sass [--variants JSON] [--sites ...] [--json PATH]
+    python -m benchmarks.triton_sass --ptx module.ptx [--function REGEX]   # a device's dump
 
 The Pallas kernel (`pallas_kernels.expert_matmul.kernel_gpu`) is lowered for CUDA on this host
 (no GPU needed: the Pallas -> Triton IR step is jax's own), and the Triton IR is compiled for
@@ -15,7 +16,9 @@ traffic (STL / LDL in the loop) and shared memory.
 
 The compiler is the `triton` package's, not the Triton inside the jaxlib that runs the kernel on
 a GPU: versions and pass pipelines differ, so the counts describe this compilation; a device's
-own SASS (XLA's dump of the kernel) is what to compare them with.
+own code is what to compare them with: `--ptx` assembles a PTX module (XLA's dump on the device,
+`XLA_FLAGS=--xla_dump_to=DIR`, holds the jaxlib-compiled Triton kernels) with the same ptxas and
+counts the loops of the kernels whose names match `--function`.
 
 Variants are `kernel_gpu.expert_matmul` keyword overrides on top of the model's defaults for the
 site (`api.BlockSizes.resolved`), e.g. '[{"decode": "select"}, {"num_warps": 8}]'.
@@ -124,12 +127,59 @@ def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90)
                                   options={"num_warps": num_warps, "num_stages": num_stages})
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], check=True, capture_output=True,
-                               text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
+                               capture_output=True, text=True).stdout
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
     return sass, line
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def sass_of_ptx(ptx: str) -> tuple[str, str]:
+    """(SASS, resource usage) of a PTX module (e.g. a device's XLA dump, whose Triton kernels sit
+    beside XLA's own), assembled by the triton package's ptxas for the module's `.target`."""
+    target = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.MULTILINE)
+    if not target:
+        raise ValueError("no .target line in the PTX")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "module.ptx", Path(tmp) / "module.cubin"
+        src.write_text(ptx)
+        # the package carries a ptxas per CUDA major version: the newer one reads newer PTX
+        for i, tool in enumerate(("ptxas-blackwell", "ptxas")):
+            if not Path(_tool(tool)).exists() and i == 0:
+                continue
+            try:
+                subprocess.run([_tool(tool), f"-arch={target.group(1)}", "-o", str(cubin), str(src)], check=True,
+                               capture_output=True, text=True)
+                break
+            except subprocess.CalledProcessError:
+                if i == 1:
+                    raise
+        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
+                               capture_output=True, text=True).stdout
+    return sass, usage
+
+
+def functions(listing: str) -> dict[str, str]:
+    """cuobjdump output split by function: its `Function : name` (SASS) or `Function name:`
+    (resource usage) headers."""
+    out, name = {}, None
+    for line in listing.splitlines():
+        m = re.match(r"\s*Function\s*(?::\s*(\S+)|(\S+):)\s*$", line)
+        if m:
+            name = m.group(1) or m.group(2)
+            out[name] = ""
+        elif name is not None:
+            out[name] += line + "\n"
+    return out
 
 
 def loop_stats(sass: str) -> dict:
@@ -193,8 +243,12 @@ def main(argv=None) -> int:
     p.add_argument("--sites", default=",".join(SITES), help=f"comma-separated, of: {', '.join(SITES)}")
     p.add_argument("--fuse-accumulate", action="store_true",
                    help="also compile each variant with the accumulator moved into its dots (fuse_dot_add)")
+    p.add_argument("--ptx", default=None, help="instead: a PTX module (a device's dump) whose kernels to count")
+    p.add_argument("--function", default="expert_matmul", help="with --ptx: a regex the kernels' names match")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
+    if ns.ptx:
+        return _ptx_main(p, ns)
     try:
         variants = json.loads(ns.variants)
         if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
@@ -224,6 +278,46 @@ def main(argv=None) -> int:
                   f"{r['sts']} | {r['spill_ops']} | {r['registers']} | {r['stack_bytes']} |", flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
+    return 0
+
+
+def _ptx_main(p: argparse.ArgumentParser, ns) -> int:
+    try:
+        ptx = Path(ns.ptx).read_text()
+    except OSError as e:
+        p.error(f"--ptx: {e}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        p.error("the triton package is needed for its ptxas and cuobjdump (pip install triton)")
+    try:
+        sass, usage = sass_of_ptx(ptx)
+    except ValueError as e:
+        p.error(f"--ptx {ns.ptx}: {e}")
+    except subprocess.CalledProcessError as e:
+        p.error(f"--ptx {ns.ptx}: ptxas failed: {e.stderr.strip()[:500]}")
+    usages = functions(usage)
+    rows = []
+    print("| kernel | loop instr. / warp | MMA | STS | spill ops | resources | top ops |")
+    print("|" + " --- |" * 7)
+    for name, text in functions(sass).items():
+        if not re.search(ns.function, name):
+            continue
+        try:
+            st = loop_stats(text)
+        except ValueError:
+            continue  # no loop in this kernel
+        ops = st["ops"]
+        mma = ", ".join(f"{k} {c}" for k, c in ops.items() if k.startswith(("HMMA", "HGMMA")))
+        res = " ".join(usages.get(name, "").split()[:3])
+        rows.append({"kernel": name, **st, "resources": res})
+        top = ", ".join(f"{k} {c}" for k, c in list(ops.items())[:8])
+        print(f"| {name[:48]} | {st['instructions']} | {mma} | {_count(ops, 'STS')} | {_count(ops, 'STL', 'LDL')} | "
+              f"{res} | {top} |")
+    if not rows:
+        p.error(f"--ptx {ns.ptx}: no kernel with a loop matches --function {ns.function!r}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -427,3 +427,36 @@ def test_default_expert_variants_are_block_size_fields():
     for v in model_speed.KERNEL_VARIANTS:
         api.BlockSizes(**v)  # a misspelt field would be a TypeError here, not a silent error row on the GPU
     assert {"one_dot": True} in model_speed.KERNEL_VARIANTS
+
+
+def test_triton_sass_splits_cuobjdump_listings_by_function():
+    from benchmarks import triton_sass
+
+    usage = " Function expert_matmul_fp4_x2:\n  REG:255 STACK:88 SHARED:1024 LOCAL:0\n Function other:\n  REG:8\n"
+    assert triton_sass.functions(usage) == {"expert_matmul_fp4_x2": "  REG:255 STACK:88 SHARED:1024 LOCAL:0\n",
+                                            "other": "  REG:8\n"}
+    sass = triton_sass.functions(_SASS + "        Function : second\n        /*0000*/  EXIT ;\n")
+    assert list(sass) == ["expert_matmul_fp4_x2", "second"]
+    assert triton_sass.loop_stats(sass["expert_matmul_fp4_x2"])["instructions"] == 15
+
+
+def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
+    """--ptx (a device's dump): the module is assembled by the package's ptxas and the matching
+    kernels' loops are counted; a module without a match is refused naming the flag."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from benchmarks import triton_sass
+
+    ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"])
+    src = tmp_path / "k.ttir"
+    src.write_text(ir)
+    ptx = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": kw["num_warps"], "num_stages": kw["num_stages"]}).asm["ptx"]
+    (tmp_path / "m.ptx").write_text(ptx)
+    assert triton_sass.main(["--ptx", str(tmp_path / "m.ptx")]) == 0
+    out = capsys.readouterr().out
+    assert "| expert_matmul_fp4 |" in out and "HMMA.16816 32" in out, out
+    with pytest.raises(SystemExit):
+        triton_sass.main(["--ptx", str(tmp_path / "m.ptx"), "--function", "sinkhorn"])
+    assert "no kernel with a loop matches --function 'sinkhorn'" in capsys.readouterr().err
