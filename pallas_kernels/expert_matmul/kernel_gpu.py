@@ -8,8 +8,9 @@ then walks K in blocks: loads the packed codes as int32 words [block_n, block_k/
 bytes [block_n, block_k/32] of that expert, decodes the 8 codes of each word to bf16 times the
 power-of-two scale (exact: <= 4 significant bits) and feeds the tensor cores, one dot per code
 position, with the matching x columns [rows, block_k/8] (optionally loading only the tile's valid
-rows), or with `one_dot` one dot on the 8 code positions concatenated along K. fp32 accumulation, one bf16 rounding, a masked store of the tile's valid rows. A dead tile
-(0 rows) stores nothing. One launch can take G weights of one shape (an expert's w1 and w3): each
+rows), or with `one_dot` one dot on the 8 code positions concatenated along K. fp32
+accumulation, one bf16 rounding, a masked store of the tile's valid rows. A dead tile (0 rows)
+stores nothing. One launch can take G weights of one shape (an expert's w1 and w3): each
 program then keeps G accumulators and loads its x columns once per K step for all G.
 
 Decodes (`decode`), all exact:
