@@ -8,11 +8,11 @@ The Pallas kernel (`pallas_kernels.expert_matmul.kernel_gpu`) is lowered for CUD
 (no GPU needed: the Pallas -> Triton IR step is jax's own), and the Triton IR is compiled for
 sm_90 by the `triton` package's compiler and `ptxas`, then disassembled. For each site and
 variant the tool reports the K loop of the SASS (the block a backward branch repeats, one K step
-of the software pipeline): its instructions (per warp, i.e. per thread), the instructions per fp4 code (a thread's
-share of the step's codes), the mix (decode: integer and packed-bf16 operations; MMA: HMMA =
-warp-level mma.sync with register operands, HGMMA = warpgroup wgmma reading shared memory;
-STS = stores to shared memory, i.e. a decoded tile on its way to the MMA), registers, spill
-traffic (STL / LDL in the loop) and shared memory.
+of the software pipeline): its instructions (per warp, i.e. per thread), the instructions per
+fp4 code (a thread's share of the step's codes), the mix (decode: integer and packed-bf16
+operations; MMA: HMMA = warp-level mma.sync with register operands, HGMMA = warpgroup wgmma
+reading shared memory; STS = stores to shared memory, i.e. a decoded tile on its way to the MMA),
+registers, spill traffic (STL / LDL in the loop) and shared memory.
 
 The compiler is the `triton` package's, not the Triton inside the jaxlib that runs the kernel on
 a GPU: versions and pass pipelines differ, so the counts describe this compilation; a device's
@@ -127,10 +127,7 @@ def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90)
                                   options={"num_warps": num_warps, "num_stages": num_stages})
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
-                               capture_output=True, text=True).stdout
+        sass, usage = _disassemble(cubin)
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
     return sass, line
 
@@ -139,6 +136,12 @@ def _tool(name: str) -> str:
     import triton
 
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _disassemble(cubin: Path) -> tuple[str, str]:
+    """(SASS, resource usage) of a cubin, by the package's cuobjdump."""
+    return tuple(subprocess.run([_tool("cuobjdump"), flag, str(cubin)], check=True, capture_output=True,
+                                text=True).stdout for flag in ("--dump-sass", "--dump-resource-usage"))
 
 
 def sass_of_ptx(ptx: str) -> tuple[str, str]:
@@ -150,22 +153,18 @@ def sass_of_ptx(ptx: str) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "module.ptx", Path(tmp) / "module.cubin"
         src.write_text(ptx)
-        # the package carries a ptxas per CUDA major version: the newer one reads newer PTX
-        for i, tool in enumerate(("ptxas-blackwell", "ptxas")):
-            if not Path(_tool(tool)).exists() and i == 0:
-                continue
+        # the package may carry a ptxas per CUDA major version: the newer reads newer PTX
+        failed = None
+        for tool in (t for t in ("ptxas-blackwell", "ptxas") if Path(_tool(t)).exists()):
             try:
                 subprocess.run([_tool(tool), f"-arch={target.group(1)}", "-o", str(cubin), str(src)], check=True,
                                capture_output=True, text=True)
                 break
-            except subprocess.CalledProcessError:
-                if i == 1:
-                    raise
-        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
-                               capture_output=True, text=True).stdout
-    return sass, usage
+            except subprocess.CalledProcessError as e:
+                failed = e
+        else:
+            raise failed or FileNotFoundError("no ptxas in the triton package")
+        return _disassemble(cubin)
 
 
 def functions(listing: str) -> dict[str, str]:
@@ -297,7 +296,7 @@ def _ptx_main(p: argparse.ArgumentParser, ns) -> int:
         p.error("the triton package is needed for its ptxas and cuobjdump (pip install triton)")
     try:
         sass, usage = sass_of_ptx(ptx)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         p.error(f"--ptx {ns.ptx}: {e}")
     except subprocess.CalledProcessError as e:
         p.error(f"--ptx {ns.ptx}: ptxas failed: {e.stderr.strip()[:500]}")
