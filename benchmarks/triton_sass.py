@@ -78,10 +78,7 @@ def expert_ir(n: int, k: int, g: int, rows: int, **overrides) -> tuple[str, dict
     defaults for `rows` per tile, with `overrides`."""
     from pallas_kernels.expert_matmul import api, kernel_gpu
 
-    bs = api.BlockSizes().resolved(rows, n, k, interpret=False)
-    kw = {"rows": rows, "block_n": bs.block_n, "block_k": bs.block_k, "num_warps": bs.num_warps,
-          "num_stages": bs.num_stages, "decode": bs.decode, "mask_x": bs.mask_x, "one_dot": bs.one_dot}
-    kw.update(overrides)
+    kw = {"rows": rows, **api.BlockSizes().resolved(rows, n, k, interpret=False).kernel_args(), **overrides}
     n_exp = 3
     x = jnp.zeros((kw["rows"], k), jnp.bfloat16)
     w = jnp.zeros((n_exp, n, k // 2), jnp.int8)
@@ -114,8 +111,8 @@ def fuse_dot_add(ir: str) -> tuple[str, int]:
     return "\n".join(out), n
 
 
-def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> tuple[str, str]:
-    """(SASS text, cuobjdump's resource-usage line) of Triton IR compiled for sm_`capability`."""
+def compile_ir(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> dict:
+    """Triton IR compiled for sm_`capability` by the triton package: its stages ("ptx", "cubin", ...)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -123,10 +120,15 @@ def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ttir"
         src.write_text(ir)
-        compiled = triton.compile(str(src), target=GPUTarget("cuda", capability, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        return triton.compile(str(src), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages}).asm
+
+
+def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> tuple[str, str]:
+    """(SASS text, cuobjdump's resource-usage line) of Triton IR compiled for sm_`capability`."""
+    with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
+        cubin.write_bytes(compile_ir(ir, num_warps, num_stages, capability)["cubin"])
         sass, usage = _disassemble(cubin)
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
     return sass, line

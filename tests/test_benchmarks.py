@@ -443,17 +443,11 @@ def test_triton_sass_splits_cuobjdump_listings_by_function():
 def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
     """--ptx (a device's dump): the module is assembled by the package's ptxas and the matching
     kernels' loops are counted; a module without a match is refused naming the flag."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
+    pytest.importorskip("triton")
     from benchmarks import triton_sass
 
     ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"])
-    src = tmp_path / "k.ttir"
-    src.write_text(ir)
-    ptx = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": kw["num_warps"], "num_stages": kw["num_stages"]}).asm["ptx"]
-    (tmp_path / "m.ptx").write_text(ptx)
+    (tmp_path / "m.ptx").write_text(triton_sass.compile_ir(ir, kw["num_warps"], kw["num_stages"])["ptx"])
     assert triton_sass.main(["--ptx", str(tmp_path / "m.ptx")]) == 0
     out = capsys.readouterr().out
     assert "| expert_matmul_fp4 |" in out and "HMMA.16816 32" in out, out

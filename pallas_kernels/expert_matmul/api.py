@@ -100,6 +100,11 @@ class BlockSizes:
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
                                    fuse=fuse)
 
+    def kernel_args(self) -> dict:
+        """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
+        return {"block_n": self.block_n, "block_k": self.block_k, "num_warps": self.num_warps,
+                "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot}
+
 
 def _many(w, s) -> bool:
     """Whether (w, s) are tuples of matrix stacks rather than one stack each."""
@@ -135,10 +140,8 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
     bs = (block_sizes or BlockSizes()).resolved(rows, w0.shape[1], x.shape[1], interpret)
 
     def call(w, s):
-        return kernel_gpu.expert_matmul(
-            x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows, block_n=bs.block_n, block_k=bs.block_k,
-            num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
-            decode=bs.decode, mask_x=bs.mask_x, one_dot=bs.one_dot)
+        return kernel_gpu.expert_matmul(x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows,
+                                        interpret=interpret, **bs.kernel_args())
 
     try:
         if many and not bs.fuse:
