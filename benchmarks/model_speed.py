@@ -39,8 +39,9 @@ Rows are printed as they finish and the JSON is rewritten after every row, so a 
 a time limit keeps what it measured. `--paths fast,reference` times the same rows with
 kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and records the
 speed-up; the path `fast-f32` is `fast` with `attn_accumulate="f32"` (the sparse attention in
-f32, on the Pallas kernel, instead of the float64 reference). `--tiny` runs the same script at
-tiny width on CPU (a bug check, not a measurement).
+f32, on the Pallas kernel, instead of the float64 reference) and `fast-fold` is `fast` with
+`fp4_scale_fold="on"` (the routed-expert kernel's x 2^126 folded into the scales). `--tiny` runs
+the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
 from __future__ import annotations
@@ -78,13 +79,17 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
                   engram_num_embeddings=(), vision_n_layers=0)
 
 
-# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate)
-PATHS = {"fast": ("auto", "auto"), "fast-f32": ("auto", "f32"), "reference": ("reference", "auto")}
+# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "fast-fold":
+# "fast" with the fp4 kernel's x 2^126 folded into the scales (the random scale bytes are <= 121)
+PATHS = {"fast": ("auto", "auto", "off"), "fast-f32": ("auto", "f32", "off"), "fast-fold": ("auto", "auto", "on"),
+         "reference": ("reference", "auto", "off")}
 
 
-def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto") -> ModelArgs:
+def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
+               fp4_scale_fold: str = "off") -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
-    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate}
+    run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate,
+           "fp4_scale_fold": fp4_scale_fold}
     if tiny:
         return ModelArgs.tiny(**_NO_EXTRAS).replace(n_layers=6, **run, **_LAYOUT)
     return ModelArgs.from_json(RELEASED, n_layers=6, **run, **_LAYOUT, **_NO_EXTRAS)
@@ -360,8 +365,8 @@ def ceilings(rep: Report, tiny: bool) -> dict:
 
 
 # expert_matmul.BlockSizes fields tried on one projection ({}: the defaults)
-KERNEL_VARIANTS = ({}, {"one_dot": True}, {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256},
-                   {"block_n": 64}, {"num_warps": 8})
+KERNEL_VARIANTS = ({}, {"one_dot": True}, {"scale_fold": True}, {"one_dot": True, "scale_fold": True},
+                   {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64}, {"num_warps": 8})
 
 
 def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0, variants=KERNEL_VARIANTS):
@@ -1026,7 +1031,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny width on any backend (bug check)")
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
-                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), reference (plain jnp)")
+                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-fold (and fp4_scale_fold=on), "
+                        "reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")

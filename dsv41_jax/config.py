@@ -2,10 +2,10 @@
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
 limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob`, the
-kernel choices `kernels`, `kernels_interpret`, the attention's precision `attn_accumulate` and the
-Engram storage padding `engram_rows_multiple` are not in the released file). Per-layer facts
-(attention role, which source layer a reuse layer reads, RoPE base, Engram table) are derived
-here as plain Python, so jitted code can branch on them statically.
+kernel choices `kernels`, `kernels_interpret`, `fp4_scale_fold`, the attention's precision
+`attn_accumulate` and the Engram storage padding `engram_rows_multiple` are not in the released
+file). Per-layer facts (attention role, which source layer a reuse layer reads, RoPE base,
+Engram table) are derived here as plain Python, so jitted code can branch on them statically.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ class ModelArgs:
     # `kernels` picks them, else the f32 reference): faster, and about 0.04-0.2% of the attention's
     # bf16 outputs round to the other neighbour; "auto" = "f64" except on TPU (no float64): "f32"
     attn_accumulate: str = "auto"
+    # the routed experts' fp4 kernel ("pairs" decode): "on" folds its x 2^126 into the e8m0 scales,
+    # one packed bf16 multiply per two codes fewer, bit-identical while every routed-expert scale
+    # byte is <= 128 (scales <= 2); the loaders check the bytes and refuse "on" otherwise; "auto":
+    # the loaders turn it "on" when the bytes allow, else "off" (`loading.resolve_fp4_scale_fold`);
+    # a model built without a loader treats "auto" as "off". Off by default until timed on a GPU.
+    fp4_scale_fold: str = "off"
     # storage layout: Engram table rows are padded with zero rows up to a multiple of this, so a
     # table splits evenly over the devices of its sharding rule (no hash id reaches a padded row);
     # dsv41-convert picks it for the mesh and records it in the manifest of the converted checkpoint
@@ -209,6 +215,8 @@ class ModelArgs:
             fail(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
         if self.attn_accumulate not in ("auto", "f64", "f32"):
             fail(f"attn_accumulate must be 'auto', 'f64' or 'f32', got {self.attn_accumulate!r}")
+        if self.fp4_scale_fold not in ("off", "auto", "on"):
+            fail(f"fp4_scale_fold must be 'off', 'auto' or 'on', got {self.fp4_scale_fold!r}")
         if self.dtype not in ("fp8", "bf16"):
             fail(f"dtype must be 'fp8' or 'bf16', got {self.dtype!r}")
         if self.expert_dtype not in ("fp4", None):

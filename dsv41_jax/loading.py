@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -121,3 +122,48 @@ def load_hub_weights(module: nnx.Module, ckpt: HubCheckpoint | str | os.PathLike
                 f"{len(leftover)} checkpoint tensors under {prefix!r} have no parameter in the module: {leftover[:20]}"
             )
     return consumed
+
+
+@jax.jit
+def _scale_byte_max(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """e8m0 scales [E, ...] -> (their largest byte, the first expert holding it), int32 scalars."""
+    b = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(scale.shape[0], -1).max(axis=1).astype(jnp.int32)
+    return b.max(), jnp.argmax(b).astype(jnp.int32)
+
+
+def resolve_fp4_scale_fold(model: nnx.Module, args, source: str = "the checkpoint"):
+    """Applies `args.fp4_scale_fold` to a model whose weights are loaded; returns args with "auto"
+    resolved to "on" or "off" (also written to every module's `args`).
+
+    The routed-expert fp4 kernel may fold its decode's x 2^126 into the e8m0 scales only while
+    every scale byte is <= 128 (`kernel_gpu.FOLD_MAX_BYTE`; scales <= 2, far above the released
+    experts'). One on-device max per stacked scale tensor ([E, out, in/32], sharded or not).
+    Raises CheckpointError for "on" when a byte is larger, naming the hub tensor and the byte.
+    """
+    from dsv41_jax.config import ModelArgs
+    from dsv41_jax.moe import Experts
+    from pallas_kernels.expert_matmul.kernel_gpu import FOLD_MAX_BYTE
+
+    mode = args.fp4_scale_fold
+    experts = [(".".join(str(p) for p in path), m) for path, m in nnx.iter_graph(model)
+               if isinstance(m, Experts) and m.dtype == "fp4"]
+    worst = None  # (byte, hub name)
+    if mode != "off":
+        found = [(path, w, _scale_byte_max(getattr(m, w).scale[...])) for path, m in experts for w in ("w1", "w2", "w3")]
+        for path, w, (byte, e) in jax.device_get(found):
+            if worst is None or byte > worst[0]:
+                worst = (int(byte), f"{path}.{int(e)}.{w}.scale")
+    fold = mode == "on" or (mode == "auto" and worst is not None)
+    if fold and worst is not None and worst[0] > FOLD_MAX_BYTE:
+        if mode == "on":
+            raise CheckpointError(
+                f"{source}: {worst[1]} holds e8m0 scale byte {worst[0]} (2^{worst[0] - 127}); fp4_scale_fold='on' "
+                f"needs every routed-expert scale byte <= {FOLD_MAX_BYTE} (scales <= 2): use 'auto' or 'off'")
+        fold = False
+    for _, m in experts:
+        m.scale_fold = fold
+    resolved = args.replace(fp4_scale_fold="on" if fold else "off")
+    for _, node in nnx.iter_graph(model):
+        if isinstance(getattr(node, "args", None), ModelArgs):
+            node.args = resolved
+    return resolved

@@ -188,14 +188,19 @@ class Experts(nnx.Module):
     `kernels` / `kernels_interpret` (ModelArgs fields) pick the fp4 matmul: with the Pallas
     kernel (pallas_kernels/expert_matmul, "auto" on a GPU) the packed bytes are widened inside the
     kernel and never reach HBM as bf16; otherwise the jnp paths below widen after the gather.
+    `scale_fold` (ModelArgs.fp4_scale_fold "on", or "auto" resolved by a loader): every scale
+    byte is <= 128, so the kernel may fold its decode's x 2^126 into the scales
+    (`expert_matmul.BlockSizes.scale_fold`); `loading.resolve_fp4_scale_fold` checks and sets it.
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,
-                 dtype: WeightDtype = "fp4", *, kernels: str = "auto", kernels_interpret: bool = False):
+                 dtype: WeightDtype = "fp4", *, kernels: str = "auto", kernels_interpret: bool = False,
+                 scale_fold: bool = False):
         self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
         self.swiglu_limit = swiglu_limit
         self.dtype = dtype
         self.kernels, self.kernels_interpret = kernels, kernels_interpret
+        self.scale_fold = scale_fold
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
         self.w3 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
@@ -271,7 +276,8 @@ class Experts(nnx.Module):
 
         def matmul(rows, lins):
             return expert_matmul.grouped_matmul(rows, *_packed(lins), te, row0, valid, c,
-                                                implementation=self.kernels, interpret=self.kernels_interpret)
+                                                implementation=self.kernels, interpret=self.kernels_interpret,
+                                                block_sizes=self.block_sizes())
 
         y = self.kernel_ffn(x_sorted, w_sorted, matmul)[:r]
         # rows no live tile covers (pairs of another device's experts) are undefined on the kernel path
@@ -288,6 +294,10 @@ class Experts(nnx.Module):
 
         h = swiglu(lin(self.w1, x), lin(self.w3, x), self.swiglu_limit, weights, out_dtype=x.dtype)
         return lin(self.w2, h)
+
+    def block_sizes(self) -> expert_matmul.BlockSizes:
+        """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it."""
+        return expert_matmul.BlockSizes(scale_fold=self.scale_fold)
 
     def use_kernel(self) -> bool:
         """Whether the routed GEMMs go through the fp4 Pallas kernel (fp4 experts, kernels
@@ -340,7 +350,7 @@ class MoE(nnx.Module):
         expert_dtype: WeightDtype = "fp4" if args.expert_dtype == "fp4" else plain
         self.gate = Gate(layer_id, args)
         self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, args.swiglu_limit, expert_dtype,
-                               **linear_kernels(args))
+                               **linear_kernels(args), scale_fold=args.fp4_scale_fold == "on")
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit, **linear_kernels(args))
 
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
@@ -382,7 +392,8 @@ class MoE(nnx.Module):
             interp = ex.kernels_interpret
 
             def matmul(x, lins):
-                return expert_matmul.gather_matmul(x, *_packed(lins), e, implementation=ex.kernels, interpret=interp)
+                return expert_matmul.gather_matmul(x, *_packed(lins), e, implementation=ex.kernels, interpret=interp,
+                                                   block_sizes=ex.block_sizes())
 
             return ex.kernel_ffn(jnp.repeat(xq, k, axis=0), weights.reshape(-1), matmul)
         w1, w3, w2 = ex.dense(indices.reshape(-1))

@@ -27,9 +27,10 @@ from flax import nnx
 
 from dsv41_jax.attention import previous_call_index_k_owner
 from dsv41_jax.cache import init_cache
+from dsv41_jax.checkpoint import CheckpointError
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.engram import engram_hash
-from dsv41_jax.loading import load_hub_weights
+from dsv41_jax.loading import load_hub_weights, resolve_fp4_scale_fold
 from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.model import Transformer
 
@@ -84,6 +85,7 @@ def load_model(gs: GoldenSet, **overrides) -> Transformer:
     `overrides`: ModelArgs fields to change, e.g. kernels="reference" or max_seq_len=256."""
     model = Transformer(gs.args.replace(**overrides))
     load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
+    resolve_fp4_scale_fold(model, model.args, source=str(gs.path))
     if model.token_map is not None:
         model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
     return model
@@ -404,15 +406,15 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
     return out
 
 
-def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto"
-               ) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
+               fp4_scale_fold: str = "off") -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
-    `kernels`, `attn_accumulate`: the ModelArgs fields.
+    `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields.
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
-    model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate)
+    model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, fp4_scale_fold=fp4_scale_fold)
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -451,6 +453,9 @@ def main(argv=None) -> int:
     p.add_argument("--attn-accumulate", choices=("auto", "f64", "f32"), default="auto",
                    help="ModelArgs.attn_accumulate: the sparse attention in float64, the oracle's rounding "
                         "(auto, except on TPU), or in f32 (the attention kernel where --kernels picks it)")
+    p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="off",
+                   help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
+                        "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -458,7 +463,12 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only, attn_accumulate=ns.attn_accumulate)
+    try:
+        port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only,
+                                              attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if ns.out:
         np.savez(ns.out, **encode(port, gs))
     return report(port, problems, expected, gs)

@@ -43,6 +43,20 @@ def test_random_model_routes_tokens_across_the_experts():
     assert min(hit) >= n_exp - 1, hit  # uniform routing: 8 * (1 - (6/8)^64) = 8.0 expected
 
 
+def test_fast_fold_path_folds_scales_the_random_model_allows():
+    """`--paths fast-fold`: the model is built with fp4_scale_fold "on", which the random e8m0
+    bytes allow (a loader's check, run on the random weights, resolves "auto" to "on" too)."""
+    from dsv41_jax.loading import resolve_fp4_scale_fold
+
+    for path, (kernels, attn, fold) in model_speed.PATHS.items():
+        assert model_speed.bench_args(True, 1, 64, kernels, attn, fold).fp4_scale_fold == fold, path
+    args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast-fold"])
+    graphdef, state = model_speed.random_model(args)
+    model = nnx.merge(graphdef, state)
+    assert model.layers[0].ffn.experts.scale_fold
+    assert resolve_fp4_scale_fold(model, args.replace(fp4_scale_fold="auto")).fp4_scale_fold == "on"
+
+
 def test_prefill_count_follows_the_positions_each_layer_runs_on():
     """The replayed layers (SPEC §19.1) run on a suffix of the prompt; the prefill's FLOP count
     takes each layer at the positions its MoE routed in a real prefill, not the whole prompt."""
@@ -426,7 +440,7 @@ def test_default_expert_variants_are_block_size_fields():
 
     for v in model_speed.KERNEL_VARIANTS:
         api.BlockSizes(**v)  # a misspelt field would be a TypeError here, not a silent error row on the GPU
-    assert {"one_dot": True} in model_speed.KERNEL_VARIANTS
+    assert {"one_dot": True} in model_speed.KERNEL_VARIANTS and {"scale_fold": True} in model_speed.KERNEL_VARIANTS
 
 
 def test_triton_sass_splits_cuobjdump_listings_by_function():

@@ -193,6 +193,18 @@ def test_keep_mode_writes_every_quantised_value_and_scale_bit_identical(tiny_con
     np.testing.assert_array_equal(params["head.weight"], np.asarray(hub.get("head.weight"), np.float32))
 
 
+def test_load_converted_resolves_fp4_scale_fold_against_the_restored_scales(tiny_converted, tiny_hub):
+    hub = HubCheckpoint(tiny_hub)
+    top = max(int(hub.get(n).view(np.uint8).max()) for n in hub.names()
+              if n.startswith("layers.") and ".ffn.experts." in n and n.endswith(".scale"))
+    assert top <= 128  # the synthetic scales: 2^-k for a weight RMS ~ 1/sqrt(fan-in)
+    _, args = load_converted(tiny_converted)
+    assert args.fp4_scale_fold == "off"
+    model, args = load_converted(tiny_converted, fp4_scale_fold="auto")
+    assert args.fp4_scale_fold == "on" == model.args.fp4_scale_fold
+    assert model.layers[0].ffn.experts.scale_fold
+
+
 def test_manifest_records_every_param_with_its_dtype_shape_and_spec(tiny_converted, tiny_args):
     manifest = read_manifest(tiny_converted)
     params = {p: rec for g in manifest["groups"] for p, rec in g["params"].items()}

@@ -39,10 +39,11 @@ def np_dense(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return v * np.repeat(sc, 32, axis=-1)
 
 
-def make(rng, n_exp: int, n: int, k: int, r: int):
-    """Random packed weights (every code, scale bytes 112..135), act-quantised bf16 rows."""
+def make(rng, n_exp: int, n: int, k: int, r: int, scale_bytes: tuple[int, int] = (112, 135)):
+    """Random packed weights (every code, scale bytes in `scale_bytes`, inclusive), act-quantised
+    bf16 rows."""
     w = rng.integers(-128, 128, (n_exp, n, k // 2), dtype=np.int8)
-    s = rng.integers(112, 136, (n_exp, n, k // 32), dtype=np.uint8)
+    s = rng.integers(scale_bytes[0], scale_bytes[1] + 1, (n_exp, n, k // 32), dtype=np.uint8)
     x = np.asarray(quant.act_quant_dequant(jnp.asarray(rng.standard_normal((r, k)) * 3, jnp.float32)))
     return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), jnp.asarray(s.view(ml_dtypes.float8_e8m0fnu)), w, s
 
@@ -97,11 +98,12 @@ class GatherBase:
     implementation = "reference"
     interpret = False
     block_sizes = None
+    scale_bytes = (112, 135)  # e8m0 bytes of the random scales (`make`)
 
     @pytest.mark.parametrize("case", list(GATHER_CASES))
     def test_gather_matches_float64_oracle_and_reference(self, case):
         n_exp, n, k, ids = GATHER_CASES[case]
-        x, w, s, w_np, s_np = make(np.random.default_rng(len(ids) * 7 + n), n_exp, n, k, len(ids))
+        x, w, s, w_np, s_np = make(np.random.default_rng(len(ids) * 7 + n), n_exp, n, k, len(ids), self.scale_bytes)
         e = jnp.asarray(ids, jnp.int32)
         out = _gather(x, w, s, e, implementation=self.implementation, interpret=self.interpret,
                       block_sizes=self.block_sizes)
@@ -114,7 +116,7 @@ class GatherBase:
     def test_grouped_matches_float64_oracle_and_reference(self, case):
         n_exp, n, k, ids, c = GROUPED_CASES[case]
         r = len(ids)
-        x, w, s, w_np, s_np = make(np.random.default_rng(r + n), n_exp, n, k, r)
+        x, w, s, w_np, s_np = make(np.random.default_rng(r + n), n_exp, n, k, r, self.scale_bytes)
         flat = jnp.asarray(ids, jnp.int32)
         order, te, row0, valid = api.grouped_tiles(flat, n_exp, c)
         xs = jnp.concatenate([x[order], jnp.zeros((c, k), jnp.bfloat16)])
@@ -132,8 +134,8 @@ class GatherBase:
         # weight's product alone, bit for bit (the same fp32 sums in the same order)
         n_exp, n, k, ids = GATHER_CASES[case]
         rng = np.random.default_rng(len(ids) + 3 * n)
-        x, w1, s1, w1_np, s1_np = make(rng, n_exp, n, k, len(ids))
-        _, w3, s3, w3_np, s3_np = make(rng, n_exp, n, k, len(ids))
+        x, w1, s1, w1_np, s1_np = make(rng, n_exp, n, k, len(ids), self.scale_bytes)
+        _, w3, s3, w3_np, s3_np = make(rng, n_exp, n, k, len(ids), self.scale_bytes)
         e = jnp.asarray(ids, jnp.int32)
         kw = {"implementation": self.implementation, "interpret": self.interpret, "block_sizes": self.block_sizes}
         gate, up = _gather(x, (w1, w3), (s1, s3), e, **kw)
@@ -147,8 +149,8 @@ class GatherBase:
         n_exp, n, k, ids, c = GROUPED_CASES["empty_experts_and_dead_tiles"]
         r = len(ids)
         rng = np.random.default_rng(17)
-        x, w1, s1, w1_np, s1_np = make(rng, n_exp, n, k, r)
-        _, w3, s3, _, _ = make(rng, n_exp, n, k, r)
+        x, w1, s1, w1_np, s1_np = make(rng, n_exp, n, k, r, self.scale_bytes)
+        _, w3, s3, _, _ = make(rng, n_exp, n, k, r, self.scale_bytes)
         order, te, row0, valid = api.grouped_tiles(jnp.asarray(ids, jnp.int32), n_exp, c)
         xs = jnp.concatenate([x[order], jnp.zeros((c, k), jnp.bfloat16)])
         kw = {"implementation": self.implementation, "interpret": self.interpret, "block_sizes": self.block_sizes}
@@ -235,6 +237,19 @@ class TestKernelGPUOneDot(TestKernelGPU):
 
 
 @needs_gpu
+class TestKernelGPUScaleFold(TestKernelGPU):
+    # x 2^126 folded into the scales: valid for bytes <= 128 only (the loaders check); 96..128
+    # puts the largest foldable byte in every case
+    block_sizes = api.BlockSizes(scale_fold=True)
+    scale_bytes = (96, 128)
+
+
+@needs_gpu
+class TestKernelGPUScaleFoldOneDot(TestKernelGPUScaleFold):
+    block_sizes = api.BlockSizes(scale_fold=True, one_dot=True)
+
+
+@needs_gpu
 class TestKernelGPUSelectDecode(TestKernelGPU):
     # the compiled default is the "pairs" PTX decode (no interpret twin: its bit logic is checked
     # on CPU by test_pairs_bit_logic), interpret mode's is this select-based one
@@ -268,40 +283,82 @@ def test_pairs_bit_logic():
         assert f"{sel:#x}" in ptx and f"r_u, {codes[j % 2][1]};" in ptx and f"r_u, {codes[j % 2][2]};" in ptx
 
 
-@pytest.mark.parametrize("one_dot", [False, True])
-@pytest.mark.parametrize("decode", ["select", "subnormal", "pairs"])
-def test_kernel_lowers_to_triton_for_cuda(decode, one_dot):
-    """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering)."""
+def test_scale_fold_pairs_are_exact_for_bytes_up_to_128():
+    """The folded "pairs" decode: each bf16-subnormal code pair (`_pairs_emulated`) times the
+    folded scale `_e8m0_bf16_x2p126(b)` = 2^(b-1) is the e2m1 value times 2^(b-127) exactly (no
+    rounding: the products need <= 2 significant bits above 2^-133), for every code, both
+    halves and every byte 0..128, the unfolded decode's values; byte 129 overflows (inf), which
+    is why the loaders check. The folded PTX takes one packed multiply, the unfolded two."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    assert kernel_gpu.FOLD_MAX_BYTE == 128
+    b = np.arange(130)
+    folded = np.asarray(jax.jit(kernel_gpu._e8m0_bf16_x2p126)(jnp.asarray(b, jnp.int32)), np.float64)
+    np.testing.assert_array_equal(folded[:129], np.ldexp(1.0, b[:129] - 1))
+    assert np.isinf(folded[129])
+    plain = np.asarray(jax.jit(kernel_gpu._e8m0_bf16)(jnp.asarray(b, jnp.int32)), np.float64)
+    np.testing.assert_array_equal(plain, np.ldexp(1.0, b - 127))
+    a = np.array([0x76543210, 0x01234567], np.uint64)  # every code at every position
+    words = np.array([0xFEDCBA98, 0x89ABCDEF], np.uint64)
+    for j, bits in enumerate(kernel_gpu._pairs_emulated(a, words)):
+        for word, half in ((a, bits & 0xFFFF), (words, bits >> 16)):
+            sub = np.asarray(half, np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+            code = _E2M1[(word >> np.uint64(4 * j)) & np.uint64(0xF)]
+            got = sub[:, None] * folded[None, :129]  # exact in float64
+            want = code[:, None] * np.ldexp(1.0, b[:129] - 127)[None, :]
+            np.testing.assert_array_equal(got, want)
+            # exactly representable in bf16, so mul.rn.bf16x2 does not round either
+            np.testing.assert_array_equal(got.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64), want)
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    for plain_ptx, folded_ptx in zip(kernel_gpu.PAIRS_PTX, kernel_gpu.PAIRS_PTX_FOLDED):
+        assert plain_ptx.count("mul.rn.bf16x2") == 2 and folded_ptx.count("mul.rn.bf16x2") == 1
+        assert f"{kernel_gpu.BF16X2_2P126:#x}" in plain_ptx and f"{kernel_gpu.BF16X2_2P126:#x}" not in folded_ptx
+        assert plain_ptx.replace("mul.rn.bf16x2 r_m, r_m, r_k;\n", "").replace(", r_k", "").replace(
+            f"mov.b32 r_k, {kernel_gpu.BF16X2_2P126:#x};\n", "") == folded_ptx
+
+
+@pytest.mark.parametrize(("decode", "one_dot", "scale_fold"), [
+    ("select", False, False), ("subnormal", False, False), ("pairs", False, False),
+    ("select", True, False), ("subnormal", True, False), ("pairs", True, False),
+    ("pairs", False, True), ("pairs", True, True)])
+def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold):
+    """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering);
+    the "pairs" kernel carries 16 packed multiplies a word pair's codes, 8 with `scale_fold`."""
     from pallas_kernels.expert_matmul import kernel_gpu
 
     x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 16)
     te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [16]))
     f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=16, block_n=64, block_k=256,
                                                  num_warps=4, num_stages=3, interpret=False, decode=decode,
-                                                 one_dot=one_dot)
+                                                 one_dot=one_dot, scale_fold=scale_fold)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "expert_matmul_fp4" in text
+    assert text.count("mul.rn.bf16x2") == (0 if decode != "pairs" else 8 if scale_fold else 16)
 
 
 @needs_gpu
-@pytest.mark.parametrize("decode", ["select", "subnormal", "pairs"])
-def test_every_scale_byte_decodes_exactly(decode):
+@pytest.mark.parametrize(("decode", "scale_fold"), [("select", False), ("subnormal", False), ("pairs", False),
+                                                    ("pairs", True)])
+def test_every_scale_byte_decodes_exactly(decode, scale_fold):
     """Scale bytes 0..252 (2^-127 a subnormal, up to where 6 x scale still fits bf16) and 255
     (NaN), every code: one-hot rows of 2^64 read single weights out, so each output is one exact
-    product (normal in fp32) and must equal the float64 oracle rounded to bf16 bit for bit."""
+    product (normal in fp32) and must equal the float64 oracle rounded to bf16 bit for bit. With
+    `scale_fold` the bytes its callers guarantee: 0..128."""
     n, k = 64, 256
     rng = np.random.default_rng(5)
     w_np = rng.integers(-128, 128, (1, n, k // 2), dtype=np.int8)
-    s_np = (np.arange(n * 8).reshape(1, n, 8) % 253).astype(np.uint8)
-    s_np[0, -1] = 127
-    s_np[0, -1, 0] = 255  # NaN: the whole column n-1 is NaN (0 x NaN in the dot)
+    s_np = (np.arange(n * 8).reshape(1, n, 8) % (129 if scale_fold else 253)).astype(np.uint8)
+    if not scale_fold:
+        s_np[0, -1] = 127
+        s_np[0, -1, 0] = 255  # NaN: the whole column n-1 is NaN (0 x NaN in the dot)
     x = jnp.asarray(np.eye(k) * 2.0**64, jnp.bfloat16)
     s = jnp.asarray(s_np.view(ml_dtypes.float8_e8m0fnu))
     e = jnp.zeros((k,), jnp.int32)
     out = _gather(x, jnp.asarray(w_np), s, e, implementation="pallas", interpret=False,
-                  block_sizes=api.BlockSizes(decode=decode))
+                  block_sizes=api.BlockSizes(decode=decode, scale_fold=scale_fold))
     want = (np.eye(k) * 2.0**64) @ np.nan_to_num(np_dense(w_np, s_np)[0].T, nan=0.0)
-    want[:, -1] = np.nan
+    if not scale_fold:
+        want[:, -1] = np.nan
     want = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
     np.testing.assert_array_equal(np.asarray(out, np.float64), want)
 
@@ -449,3 +506,23 @@ def test_auto_on_cpu_keeps_the_jnp_path():
     if HAS_GPU:
         pytest.skip("CPU-only rule")
     assert not _moe("auto").experts.use_kernel()
+
+
+@pytest.mark.parametrize("path", ["gather", "grouped"])
+def test_moe_passes_scale_fold_to_the_kernel(path, monkeypatch):
+    """`Experts.scale_fold` (set by `loading.resolve_fp4_scale_fold`) reaches every kernel launch
+    of both MoE paths, and only when set."""
+    from dsv41_jax.loading import resolve_fp4_scale_fold
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    seen = []
+    real = kernel_gpu.expert_matmul
+    monkeypatch.setattr(kernel_gpu, "expert_matmul", lambda *a, **k: seen.append(k["scale_fold"]) or real(*a, **k))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 40, 128)), jnp.bfloat16)
+    m = _moe("pallas")
+    for mode, want in (("off", False), ("auto", True)):
+        args = resolve_fp4_scale_fold(m, ModelArgs.tiny(fp4_scale_fold=mode))  # scale bytes 118..125
+        assert args.fp4_scale_fold == ("on" if want else "off") and m.experts.scale_fold is want
+        seen.clear()
+        m(x, path=path)
+        assert seen and set(seen) == {want}

@@ -575,3 +575,33 @@ def test_gate_divides_its_logits_by_gate_temp_as_torch_does():
     w_ref, idx_ref = np_gate(x, p, args)
     np.testing.assert_array_equal(np.asarray(idx), idx_ref)
     np.testing.assert_array_equal(np.asarray(w).view(np.int32), w_ref.view(np.int32))
+
+
+def test_fp4_scale_fold_is_resolved_against_every_routed_scale_byte(golden):
+    """`loading.resolve_fp4_scale_fold` on the loaded golden model: "off" leaves the kernel's x 2^126
+    where it is; "auto" folds it when every routed-expert e8m0 byte of the checkpoint is <= 128
+    (read here from the hub tensors); one byte of 129 in any expert turns "auto" off and makes
+    "on" an error naming that hub tensor."""
+    from dsv41_jax.checkpoint import CheckpointError, HubCheckpoint
+    from dsv41_jax.loading import resolve_fp4_scale_fold
+    from dsv41_jax.moe import Experts
+    from dsv41_jax.parity import load_model
+
+    hub = HubCheckpoint(golden.path)
+    top = max(int(hub.get(n).view(np.uint8).max()) for n in hub.names()
+              if n.startswith("layers.") and ".ffn.experts." in n and n.endswith(".scale"))
+    model = load_model(golden)
+    experts = {".".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, Experts)}
+    assert model.args.fp4_scale_fold == "off" and not any(m.scale_fold for m in experts.values())
+    assert set(experts) == {f"layers.{i}.ffn.experts" for i in range(golden.args.n_layers)}  # the text model
+    args = resolve_fp4_scale_fold(model, golden.args.replace(fp4_scale_fold="auto"))
+    assert args.fp4_scale_fold == ("on" if top <= 128 else "off") == model.args.fp4_scale_fold
+    assert all(m.scale_fold is (top <= 128) for m in experts.values())
+    path, m = list(experts.items())[-1]
+    bad = np.asarray(m.w2.scale[...]).view(np.uint8).copy()
+    bad[1, -1, -1] = 129
+    m.w2.scale[...] = jnp.asarray(bad.view(ml_dtypes.float8_e8m0fnu))
+    assert resolve_fp4_scale_fold(model, golden.args.replace(fp4_scale_fold="auto")).fp4_scale_fold == "off"
+    assert not any(m.scale_fold for m in experts.values())
+    with pytest.raises(CheckpointError, match=rf"{path}\.1\.w2\.scale holds e8m0 scale byte 129"):
+        resolve_fp4_scale_fold(model, golden.args.replace(fp4_scale_fold="on"), source=str(golden.path))

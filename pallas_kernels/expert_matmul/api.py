@@ -72,6 +72,12 @@ class BlockSizes:
       a GPU (benchmarks/triton_sass.py, triton 3.9.0): the K loop's instructions fall 5% (w1 + w3
       at decode tiles), 8% (w1) and 41% (64-row prefill tiles), the fused launch's spills mostly
       go; not yet timed on a GPU, hence off.
+    scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
+      2; `dsv41_jax.moe.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
+      multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
+      (bit-identical for those bytes; larger bytes would give inf). Dropping that multiply (wrong
+      values, timing only) made w1 7-9% faster at 8 and 64 tokens on the H200 (seventh run); the
+      fold itself is not yet timed there. Other decodes ignore it.
     Measured in the six-layer decode step on the H200 (benchmarks/README.md, tenth run, device
     time a step, against the ninth run's unmasked, unfused kernels): w2 with masked x 133 against
     147 µs at one token, 3847 against 4408 at 64 tokens; w1 and w3 fused with masked x 267
@@ -87,6 +93,7 @@ class BlockSizes:
     fuse: bool | None = None
     mask_x: bool = True
     one_dot: bool = False
+    scale_fold: bool = False
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
         # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
@@ -103,7 +110,8 @@ class BlockSizes:
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
         return {"block_n": self.block_n, "block_k": self.block_k, "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot}
+                "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot,
+                "scale_fold": self.scale_fold}
 
 
 def _many(w, s) -> bool:

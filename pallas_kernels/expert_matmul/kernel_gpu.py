@@ -20,7 +20,8 @@ Decodes (`decode`), all exact:
   * "pairs": inline PTX on two words at a time: a byte permute puts the same byte of both words
     side by side, shifts and masks turn one code of each into a bf16 pair (a bf16 subnormal:
     the code's value times 2^-126), and two packed bf16 multiplies (x 2^126, x scale) finish it:
-    about 3 integer and 1 floating operation a code against about 8 for "subnormal". GPU only
+    about 3 integer and 1 floating operation a code against about 8 for "subnormal"; with
+    `scale_fold` (every scale byte <= 128) one multiply by scale x 2^126 = 2^(b-1). GPU only
     (no interpret twin: the PTX has no CPU lowering); `_pairs_emulated` mirrors its bit logic.
 
 Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
@@ -73,21 +74,27 @@ PAIRS_MAG, PAIRS_SIGN = 0x01C001C0, 0x80008000
 BF16X2_2P126 = 0x7E807E80  # bf16 2^126 in both halves
 
 
-def _pairs_ptx(j: int) -> str:
+def _pairs_ptx(j: int, scale_fold: bool = False) -> str:
     """PTX for `elementwise_inline_asm` with pack=2 (one result: the lowering takes one): $0 =
     code j of words $1 (low half) and $2 (high half) as bf16 times the bf16 scales in $3 (one
-    per word)."""
+    per word). `scale_fold`: $3 holds each scale times 2^126 (`_e8m0_bf16_x2p126`), so one
+    packed multiply finishes the pair instead of two."""
     sel, codes = PAIRS_BYTES[j // 2]
     _, ms, ss = codes[j % 2]
+    regs = ["{", ".reg .b32 r_u, r_m, r_g;"] if scale_fold else [
+        "{", ".reg .b32 r_u, r_m, r_g, r_k;", f"mov.b32 r_k, {BF16X2_2P126:#x};"]
+    x2p126 = [] if scale_fold else ["mul.rn.bf16x2 r_m, r_m, r_k;"]
     return "\n".join([
-        "{", ".reg .b32 r_u, r_m, r_g, r_k;", f"mov.b32 r_k, {BF16X2_2P126:#x};",
-        f"prmt.b32 r_u, $1, $2, {sel:#x};",
+        *regs, f"prmt.b32 r_u, $1, $2, {sel:#x};",
         f"shl.b32 r_m, r_u, {ms};", f"and.b32 r_m, r_m, {PAIRS_MAG:#x};",
         f"shl.b32 r_g, r_u, {ss};", f"and.b32 r_g, r_g, {PAIRS_SIGN:#x};",
-        "or.b32 r_m, r_m, r_g;", "mul.rn.bf16x2 r_m, r_m, r_k;", "mul.rn.bf16x2 $0, r_m, $3;", "}"])
+        "or.b32 r_m, r_m, r_g;", *x2p126, "mul.rn.bf16x2 $0, r_m, $3;", "}"])
 
 
 PAIRS_PTX = tuple(_pairs_ptx(j) for j in range(8))
+PAIRS_PTX_FOLDED = tuple(_pairs_ptx(j, scale_fold=True) for j in range(8))
+# the largest e8m0 byte whose scale times 2^126, 2^(b - 1), is still a finite bf16 (2^127)
+FOLD_MAX_BYTE = 128
 
 
 def _pairs_emulated(a, b) -> list:
@@ -115,6 +122,12 @@ def _e8m0_bf16(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
 
 
+def _e8m0_bf16_x2p126(b: jax.Array) -> jax.Array:
+    """int32 e8m0 bytes 0..FOLD_MAX_BYTE -> bf16 2^(b-127) x 2^126 = 2^(b-1), exact (normal, at
+    most 2^127). Larger bytes give inf or NaN: their scales must take `_e8m0_bf16`."""
+    return jax.lax.bitcast_convert_type(((b + 126) << 7).astype(jnp.int16), jnp.bfloat16)
+
+
 def _concat_k(parts: list) -> jax.Array:
     """8 arrays [bn, kw] -> [bn, 8 kw], part j at columns [j kw, (j + 1) kw): two-way stacks along a
     new last axis (Triton joins), the three stacked axes moved in front of the columns, merged."""
@@ -126,7 +139,7 @@ def _concat_k(parts: list) -> jax.Array:
 
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
-            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool):
+            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
     # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16 (this program writes rows [row0, row0 +
@@ -146,10 +159,11 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         def per_word(v):
             return jnp.broadcast_to(v[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
         if decode == "pairs":
-            sw = per_word(_e8m0_bf16(sb))
+            ptxs, scales = (PAIRS_PTX_FOLDED, _e8m0_bf16_x2p126) if scale_fold else (PAIRS_PTX, _e8m0_bf16)
+            sw = per_word(scales(sb))
             out = jax.ShapeDtypeStruct((block_n, kw), jnp.bfloat16)
             return [plgpu.elementwise_inline_asm(ptx, args=[words, sw], constraints="=r,r,r,r", pack=2,
-                                                 result_shape_dtypes=[out])[0] for ptx in PAIRS_PTX]
+                                                 result_shape_dtypes=[out])[0] for ptx in ptxs]
         sf = per_word(e8m0_f32(sb))
         return [((_e2m1_subnormal_f32(words, j) if decode == "subnormal" else _e2m1_f32((words >> (4 * j)) & 0xF))
                  * sf).astype(jnp.bfloat16) for j in range(8)]
@@ -194,7 +208,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
                   num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False,
-                  one_dot: bool = False):
+                  one_dot: bool = False, scale_fold: bool = False):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
 
@@ -213,6 +227,10 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     decoded code positions concatenated along K ([block_n, block_k], in x's permuted column
     order) for one dot a K step, instead of 8 dots whose results are added (Pallas gives each dot
     a zero accumulator and adds it after: an fp32 add per accumulator element per dot).
+    scale_fold: the caller guarantees every byte of s is <= FOLD_MAX_BYTE (128; scales <= 2, true
+    of real checkpoints): the "pairs" decode then takes its x 2^126 in the scale, one packed
+    multiply per two codes fewer, bit-identical. Not checked here (a larger byte gives inf); the
+    loaders check (`moe.resolve_fp4_scale_fold`). Other decodes ignore it.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     many = isinstance(w, (tuple, list))
@@ -249,7 +267,8 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
     t = tile_expert.shape[0]
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
-                               decode=decode, mask_x=mask_x, one_dot=one_dot)
+                               decode=decode, mask_x=mask_x, one_dot=one_dot,
+                               scale_fold=scale_fold and decode == "pairs")
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     out = pl.pallas_call(
         kernel,
