@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -457,13 +458,32 @@ def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
     golden = str(DATA / "golden" / "tiny-a")
     with pytest.raises(Stop):
         parity.main([golden, "--attn-accumulate", "f32", "--prefill-only"])
-    assert seen == {"kernels": "auto", "attn_accumulate": "f32"}
+    assert seen == {"kernels": "auto", "attn_accumulate": "f32", "fp4_scale_fold": "off"}
     seen.clear()
     with pytest.raises(Stop):
-        parity.main([golden, "--kernels", "reference", "--prefill-only"])
-    assert seen == {"kernels": "reference", "attn_accumulate": "auto"}
-    with pytest.raises(SystemExit):
-        parity.main([golden, "--attn-accumulate", "bf16"])
+        parity.main([golden, "--kernels", "reference", "--fp4-scale-fold", "on", "--prefill-only"])
+    assert seen == {"kernels": "reference", "attn_accumulate": "auto", "fp4_scale_fold": "on"}
+    for bad in (["--attn-accumulate", "bf16"], ["--fp4-scale-fold", "yes"]):
+        with pytest.raises(SystemExit):
+            parity.main([golden, *bad])
+
+
+def test_parity_cli_reports_a_scale_fold_the_checkpoint_refuses(monkeypatch, capsys):
+    """`--fp4-scale-fold on` on a checkpoint with a routed-expert scale byte above 128: exit 2 and
+    the loader's message naming the tensor (the tiny set's bytes are <= 128, so one is raised)."""
+    real = parity.load_hub_weights
+
+    def load_then_raise_a_byte(model, path, **kw):
+        real(model, path, **kw)
+        lin = model.layers[0].ffn.experts.w3
+        bad = np.asarray(lin.scale[...]).view(np.uint8).copy()
+        bad[2, 0, 0] = 130
+        lin.scale[...] = jnp.asarray(bad.view(ml_dtypes.float8_e8m0fnu))
+
+    monkeypatch.setattr(parity, "load_hub_weights", load_then_raise_a_byte)
+    rc = parity.main([str(DATA / "golden" / "tiny-a"), "--fp4-scale-fold", "on", "--prefill-only"])
+    assert rc == 2
+    assert "layers.0.ffn.experts.2.w3.scale holds e8m0 scale byte 130" in capsys.readouterr().err
 
 
 def test_decode_step_with_a_context_bound_equals_the_whole_cache_arrays():
