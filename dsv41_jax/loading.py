@@ -136,8 +136,8 @@ def resolve_fp4_scale_fold(model: nnx.Module, args, source: str = "the checkpoin
     resolved to "on" or "off" (also written to every module's `args`).
 
     The routed-expert fp4 kernel may fold its decode's x 2^126 into the e8m0 scales only while
-    every scale byte is <= 128 (`kernel_gpu.FOLD_MAX_BYTE`; scales <= 2, far above the released
-    experts'). One on-device max per stacked scale tensor ([E, out, in/32], sharded or not).
+    every scale byte is <= 128 (`kernel_gpu.FOLD_MAX_BYTE`: scales <= 2). One on-device max per
+    stacked scale tensor ([E, out, in/32], sharded or not), read back as two scalars.
     Raises CheckpointError for "on" when a byte is larger, naming the hub tensor and the byte.
     """
     from dsv41_jax.config import ModelArgs

@@ -73,7 +73,7 @@ class BlockSizes:
       at decode tiles), 8% (w1) and 41% (64-row prefill tiles), the fused launch's spills mostly
       go; not yet timed on a GPU, hence off.
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
-      2; `dsv41_jax.moe.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
+      2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
       (bit-identical for those bytes; larger bytes would give inf). Dropping that multiply (wrong
       values, timing only) made w1 7-9% faster at 8 and 64 tokens on the H200 (seventh run); the

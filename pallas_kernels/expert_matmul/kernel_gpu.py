@@ -227,10 +227,10 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     decoded code positions concatenated along K ([block_n, block_k], in x's permuted column
     order) for one dot a K step, instead of 8 dots whose results are added (Pallas gives each dot
     a zero accumulator and adds it after: an fp32 add per accumulator element per dot).
-    scale_fold: the caller guarantees every byte of s is <= FOLD_MAX_BYTE (128; scales <= 2, true
-    of real checkpoints): the "pairs" decode then takes its x 2^126 in the scale, one packed
-    multiply per two codes fewer, bit-identical. Not checked here (a larger byte gives inf); the
-    loaders check (`moe.resolve_fp4_scale_fold`). Other decodes ignore it.
+    scale_fold: the caller guarantees every byte of s is <= FOLD_MAX_BYTE (128: scales <= 2): the
+    "pairs" decode then takes its x 2^126 in the scale, one packed multiply per two codes fewer,
+    bit-identical. Not checked here (a larger byte gives inf); the loaders check
+    (`dsv41_jax.loading.resolve_fp4_scale_fold`). Other decodes ignore it.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     many = isinstance(w, (tuple, list))
