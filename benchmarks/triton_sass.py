@@ -12,7 +12,9 @@ of the software pipeline): its instructions (per warp, i.e. per thread), the ins
 fp4 code (a thread's share of the step's codes), the mix (decode: integer and packed-bf16
 operations; MMA: HMMA = warp-level mma.sync with register operands, HGMMA = warpgroup wgmma
 reading shared memory; STS = stores to shared memory, i.e. a decoded tile on its way to the MMA),
-registers, spill traffic (STL / LDL in the loop) and shared memory.
+registers, spill traffic (STL / LDL in the loop) and shared memory, and the issue bound: the
+weight bytes a second and MMA FLOP/s the loop could reach on an H200 (132 SMs at 1.98 GHz, 4
+warp instructions a clock an SM) if issuing its instructions were the only limit (`issue_bound`).
 
 The compiler is the `triton` package's, not the Triton inside the jaxlib that runs the kernel on
 a GPU: versions and pass pipelines differ, so the counts describe this compilation; a device's
@@ -212,6 +214,23 @@ def _count(ops: dict, *prefixes: str) -> int:
     return sum(v for k, v in ops.items() if k.startswith(prefixes))
 
 
+# H200 SXM: streaming multiprocessors, the boost clock (GHz); each SM issues at most one warp
+# instruction a clock from each of its 4 schedulers
+H200_SMS, H200_CLOCK_GHZ, SCHEDULERS = 132, 1.98, 4
+
+
+def issue_bound(instructions: int, num_warps: int, weight_bytes: int, mma_flops: int, sms: int = H200_SMS,
+                clock_ghz: float = H200_CLOCK_GHZ) -> dict:
+    """The rates a K loop of `instructions` a warp per step could reach if instruction issue were
+    its only limit: the step's warps need num_warps * instructions / 4 clocks of an SM's 4
+    schedulers (programs sharing an SM add their steps, so occupancy cancels), for the step's
+    `weight_bytes` (packed codes and scales) and `mma_flops`. Upper bounds: latencies and
+    dependencies add stalls. -> {"weights_tb_s", "mma_tflop_s"} over `sms` SMs at `clock_ghz`."""
+    clocks = num_warps * instructions / SCHEDULERS
+    per_s = sms * clock_ghz * 1e9 / clocks
+    return {"weights_tb_s": weight_bytes * per_s / 1e12, "mma_tflop_s": mma_flops * per_s / 1e12}
+
+
 def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     n, k, g, rows = SITES[site]
     ir, kw = expert_ir(n, k, g, rows, **variant)
@@ -227,8 +246,10 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     codes = g * kw["block_n"] * kw["block_k"] / (kw["num_warps"] * 32)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
+    bn, bk = kw["block_n"], kw["block_k"]
+    bound = issue_bound(st["instructions"], kw["num_warps"], g * bn * (bk // 2 + bk // 32), g * 2 * rows * bn * bk)
     return {"site": site, "variant": variant, "fuse_accumulate": fuse_accumulate, "kernel": kw,
-            "loop_instructions": st["instructions"], "codes_per_thread": codes,
+            "loop_instructions": st["instructions"], "codes_per_thread": codes, "issue_bound": bound,
             "instructions_per_code": st["instructions"] / codes,
             "alu_per_code": _count(ops, *ALU_OPS) / codes,
             "moves_per_code": _count(ops, "MOV", "IMAD.MOV") / codes,
@@ -266,8 +287,8 @@ def main(argv=None) -> int:
         p.error("the triton package is needed (pip install triton); it is not a project dependency")
     rows = []
     print("| site | variant | loop instr. / warp | instr. / code | ALU / code | moves / code | MMA | STS | "
-          "spill ops | regs | stack B |")
-    print("|" + " --- |" * 11)
+          "spill ops | regs | stack B | issue bound: weights TB/s, MMA TFLOP/s |")
+    print("|" + " --- |" * 12)
     for site in sites:
         for v, fuse in ((v, f) for v in variants for f in ((False, True) if ns.fuse_accumulate else (False,))):
             label = (json.dumps(v) if v else "default") + (", accumulator in the dots" if fuse else "")
@@ -281,7 +302,8 @@ def main(argv=None) -> int:
             mma = ", ".join(f"{k} {c}" for k, c in r["mma"].items())
             print(f"| {site} | {label} | {r['loop_instructions']} | "
                   f"{r['instructions_per_code']:.2f} | {r['alu_per_code']:.2f} | {r['moves_per_code']:.2f} | {mma} | "
-                  f"{r['sts']} | {r['spill_ops']} | {r['registers']} | {r['stack_bytes']} |", flush=True)
+                  f"{r['sts']} | {r['spill_ops']} | {r['registers']} | {r['stack_bytes']} | "
+                  f"{r['issue_bound']['weights_tb_s']:.2f}, {r['issue_bound']['mma_tflop_s']:.0f} |", flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
     return 0

@@ -398,6 +398,21 @@ def test_triton_sass_counts_the_loop_between_a_backward_branch_and_its_target():
         triton_sass.loop_stats(_SASS.replace("@P0 BRA 0x1330", "@P0 BRA 0xbbc0"))
 
 
+def test_triton_sass_issue_bound_is_the_rate_of_four_warp_instructions_a_clock_an_sm():
+    """w1's decode tile (64 x 512 codes and 64 x 16 scale bytes a step, 16 rows) at 1420 loop
+    instructions a warp over 4 warps: 1420 clocks a step on an SM's 4 schedulers, so 17408 bytes
+    and 2 x 16 x 64 x 512 FLOPs per 1420 clocks on 132 SMs at 1.98 GHz; programs sharing an SM
+    leave it unchanged (their steps add up), twice the warps halve it."""
+    from benchmarks import triton_sass
+
+    b = triton_sass.issue_bound(1420, 4, 64 * (256 + 16), 2 * 16 * 64 * 512)
+    assert b["weights_tb_s"] == pytest.approx(17408 * 132 * 1.98e9 / 1420 / 1e12) == pytest.approx(3.2041, abs=1e-4)
+    assert b["mma_tflop_s"] == pytest.approx(2 * 16 * 64 * 512 * 132 * 1.98e9 / 1420 / 1e12)
+    half = triton_sass.issue_bound(1420, 8, 64 * (256 + 16), 2 * 16 * 64 * 512)
+    assert half["weights_tb_s"] == pytest.approx(b["weights_tb_s"] / 2)
+    assert triton_sass.issue_bound(1420, 4, 17408, 0, sms=66)["weights_tb_s"] == pytest.approx(b["weights_tb_s"] / 2)
+
+
 def test_triton_sass_lowers_the_expert_kernel_for_cuda_without_a_gpu():
     """The Triton IR comes from jax's own Pallas lowering (no GPU, no triton package): one module
     for the decode tile's fused w1 + w3 launch, at the model's defaults, with the "pairs" PTX."""
@@ -433,6 +448,11 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     assert list(pre["mma"]) == ["HGMMA.64"] and pre["sts"] > 0, pre
     sel = triton_sass.site_row("w1 decode", {"decode": "select"})
     assert sel["alu_per_code"] > 2 * dec["alu_per_code"], (sel, dec)
+    # the folded scale takes one packed multiply of the pair: fewer ALU operations, a higher issue bound
+    fold = triton_sass.site_row("w1 decode", {"scale_fold": True})
+    assert fold["alu_per_code"] < dec["alu_per_code"] and fold["loop_instructions"] < dec["loop_instructions"]
+    assert fold["issue_bound"]["weights_tb_s"] > dec["issue_bound"]["weights_tb_s"]
+    assert dec["issue_bound"] == triton_sass.issue_bound(dec["loop_instructions"], 4, 64 * (256 + 16), 2 * 16 * 64 * 512)
 
 
 def test_default_expert_variants_are_block_size_fields():
