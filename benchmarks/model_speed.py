@@ -366,6 +366,7 @@ def ceilings(rep: Report, tiny: bool) -> dict:
 
 # expert_matmul.BlockSizes fields tried on one projection ({}: the defaults)
 KERNEL_VARIANTS = ({}, {"one_dot": True}, {"scale_fold": True}, {"one_dot": True, "scale_fold": True},
+                   {"one_dot": True, "scale_fold": True, "num_warps": 8},
                    {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64}, {"num_warps": 8})
 
 
