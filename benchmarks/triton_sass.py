@@ -1,6 +1,6 @@
 """The routed-expert kernel's machine code without a GPU: instruction counts of its K loop.
 
-    pip install triton   # not a project dependency: only this tool uses it
+    pip install -e ".[sass]"   # the triton package: not a project dependency, only this tool uses it
     python -m benchmarks.triton_sass [--variants JSON] [--sites ...] [--json PATH]
     python -m benchmarks.triton_sass --ptx module.ptx [--function REGEX]   # a device's dump
 
@@ -214,6 +214,11 @@ def _count(ops: dict, *prefixes: str) -> int:
     return sum(v for k, v in ops.items() if k.startswith(prefixes))
 
 
+def _mma(ops: dict) -> dict:
+    """The MMA opcodes of a loop's mix (HMMA: mma.sync, HGMMA: wgmma) and their counts."""
+    return {k: v for k, v in ops.items() if k.startswith(("HMMA", "HGMMA"))}
+
+
 # H200 SXM: streaming multiprocessors, the boost clock (GHz); each SM issues at most one warp
 # instruction a clock from each of its 4 schedulers
 H200_SMS, H200_CLOCK_GHZ, SCHEDULERS = 132, 1.98, 4
@@ -241,19 +246,19 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     sass, usage = compile_sass(ir, kw["num_warps"], kw["num_stages"])
     st = loop_stats(sass)
     ops = st["ops"]
+    bn, bk = kw["block_n"], kw["block_k"]
     # a thread's codes per K step: a warp's instruction works for its 32 threads, and the warps
     # of a program share the step's g x block_n x block_k codes
-    codes = g * kw["block_n"] * kw["block_k"] / (kw["num_warps"] * 32)
+    codes = g * bn * bk / (kw["num_warps"] * 32)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    bn, bk = kw["block_n"], kw["block_k"]
     bound = issue_bound(st["instructions"], kw["num_warps"], g * bn * (bk // 2 + bk // 32), g * 2 * rows * bn * bk)
     return {"site": site, "variant": variant, "fuse_accumulate": fuse_accumulate, "kernel": kw,
             "loop_instructions": st["instructions"], "codes_per_thread": codes, "issue_bound": bound,
             "instructions_per_code": st["instructions"] / codes,
             "alu_per_code": _count(ops, *ALU_OPS) / codes,
             "moves_per_code": _count(ops, "MOV", "IMAD.MOV") / codes,
-            "mma": {k_: v for k_, v in ops.items() if k_.startswith(("HMMA", "HGMMA"))},
+            "mma": _mma(ops),
             "sts": _count(ops, "STS"), "lds": _count(ops, "LDS"), "spill_ops": _count(ops, "STL", "LDL"),
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "top_ops": dict(list(ops.items())[:12])}
@@ -284,7 +289,7 @@ def main(argv=None) -> int:
     try:
         import triton  # noqa: F401
     except ImportError:
-        p.error("the triton package is needed (pip install triton); it is not a project dependency")
+        p.error("the triton package is needed (pip install -e '.[sass]'); it is not a project dependency")
     rows = []
     print("| site | variant | loop instr. / warp | instr. / code | ALU / code | moves / code | MMA | STS | "
           "spill ops | regs | stack B | issue bound: weights TB/s, MMA TFLOP/s |")
@@ -317,7 +322,7 @@ def _ptx_main(p: argparse.ArgumentParser, ns) -> int:
     try:
         import triton  # noqa: F401
     except ImportError:
-        p.error("the triton package is needed for its ptxas and cuobjdump (pip install triton)")
+        p.error("the triton package is needed for its ptxas and cuobjdump (pip install -e '.[sass]')")
     try:
         sass, usage = sass_of_ptx(ptx)
     except (ValueError, FileNotFoundError) as e:
@@ -336,7 +341,7 @@ def _ptx_main(p: argparse.ArgumentParser, ns) -> int:
         except ValueError:
             continue  # no loop in this kernel
         ops = st["ops"]
-        mma = ", ".join(f"{k} {c}" for k, c in ops.items() if k.startswith(("HMMA", "HGMMA")))
+        mma = ", ".join(f"{k} {c}" for k, c in _mma(ops).items())
         res = " ".join(usages.get(name, "").split()[:3])
         rows.append({"kernel": name, **st, "resources": res})
         top = ", ".join(f"{k} {c}" for k, c in list(ops.items())[:8])

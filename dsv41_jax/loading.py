@@ -153,13 +153,12 @@ def resolve_fp4_scale_fold(model: nnx.Module, args, source: str = "the checkpoin
         for path, w, (byte, e) in jax.device_get(found):
             if worst is None or byte > worst[0]:
                 worst = (int(byte), f"{path}.{int(e)}.{w}.scale")
-    fold = mode == "on" or (mode == "auto" and worst is not None)
-    if fold and worst is not None and worst[0] > FOLD_MAX_BYTE:
-        if mode == "on":
-            raise CheckpointError(
-                f"{source}: {worst[1]} holds e8m0 scale byte {worst[0]} (2^{worst[0] - 127}); fp4_scale_fold='on' "
-                f"needs every routed-expert scale byte <= {FOLD_MAX_BYTE} (scales <= 2): use 'auto' or 'off'")
-        fold = False
+    too_large = worst is not None and worst[0] > FOLD_MAX_BYTE
+    if mode == "on" and too_large:
+        raise CheckpointError(
+            f"{source}: {worst[1]} holds e8m0 scale byte {worst[0]} (2^{worst[0] - 127}); fp4_scale_fold='on' "
+            f"needs every routed-expert scale byte <= {FOLD_MAX_BYTE} (scales <= 2): use 'auto' or 'off'")
+    fold = mode == "on" or (mode == "auto" and worst is not None and not too_large)
     for _, m in experts:
         m.scale_fold = fold
     resolved = args.replace(fp4_scale_fold="on" if fold else "off")

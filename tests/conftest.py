@@ -39,6 +39,16 @@ def golden(request) -> GoldenSet:
     return GoldenSet(request.param)
 
 
+def max_routed_scale_byte(hub_dir) -> int:
+    """The largest e8m0 byte of a hub checkpoint's backbone routed-expert scales
+    (`layers.*.ffn.experts.*.scale`), read from the tensors themselves."""
+    from dsv41_jax.checkpoint import HubCheckpoint
+
+    hub = HubCheckpoint(hub_dir)
+    return max(int(hub.get(n).view("uint8").max()) for n in hub.names()
+               if n.startswith("layers.") and ".ffn.experts." in n and n.endswith(".scale"))
+
+
 class Child:
     """A Python subprocess whose stdout / stderr go to temporary files (a chatty child never
     blocks on a full pipe). `wait` returns (exit status, stdout, stderr); past the timeout the

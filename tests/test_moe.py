@@ -582,14 +582,14 @@ def test_fp4_scale_fold_is_resolved_against_every_routed_scale_byte(golden):
     where it is; "auto" folds it when every routed-expert e8m0 byte of the checkpoint is <= 128
     (read here from the hub tensors); one byte of 129 in any expert turns "auto" off and makes
     "on" an error naming that hub tensor."""
-    from dsv41_jax.checkpoint import CheckpointError, HubCheckpoint
+    from conftest import max_routed_scale_byte
+
+    from dsv41_jax.checkpoint import CheckpointError
     from dsv41_jax.loading import resolve_fp4_scale_fold
     from dsv41_jax.moe import Experts
     from dsv41_jax.parity import load_model
 
-    hub = HubCheckpoint(golden.path)
-    top = max(int(hub.get(n).view(np.uint8).max()) for n in hub.names()
-              if n.startswith("layers.") and ".ffn.experts." in n and n.endswith(".scale"))
+    top = max_routed_scale_byte(golden.path)
     model = load_model(golden)
     experts = {".".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, Experts)}
     assert model.args.fp4_scale_fold == "off" and not any(m.scale_fold for m in experts.values())
