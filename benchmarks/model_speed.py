@@ -39,8 +39,9 @@ Rows are printed as they finish and the JSON is rewritten after every row, so a 
 a time limit keeps what it measured. `--paths fast,reference` times the same rows with
 kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and records the
 speed-up; the path `fast-f32` is `fast` with `attn_accumulate="f32"` (the sparse attention in
-f32, on the Pallas kernel, instead of the float64 reference) and `fast-fold` is `fast` with
-`fp4_scale_fold="on"` (the routed-expert kernel's x 2^126 folded into the scales). `--tiny` runs
+f32, on the Pallas kernel, instead of the float64 reference) and `fast-nofold` is `fast` with
+`fp4_scale_fold="off"` (the routed-expert kernel's x 2^126 not folded into the scales; every path
+else resolves the default "auto" on the random weights as the loaders do: on). `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -66,6 +67,7 @@ from flax import nnx
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.generate import Generator, context_bucket, decode_compiler_options
+from dsv41_jax.loading import resolve_fp4_scale_fold
 from dsv41_jax.model import Transformer, replay_start, replay_width
 from dsv41_jax.sampling import SamplingParams
 
@@ -79,14 +81,14 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
                   engram_num_embeddings=(), vision_n_layers=0)
 
 
-# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "fast-fold":
-# "fast" with the fp4 kernel's x 2^126 folded into the scales (the random scale bytes are <= 121)
-PATHS = {"fast": ("auto", "auto", "off"), "fast-f32": ("auto", "f32", "off"), "fast-fold": ("auto", "auto", "on"),
-         "reference": ("reference", "auto", "off")}
+# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "auto" resolves
+# to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold
+PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
+         "reference": ("reference", "auto", "auto")}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "off") -> ModelArgs:
+               fp4_scale_fold: str = "auto") -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
     run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate,
            "fp4_scale_fold": fp4_scale_fold}
@@ -244,7 +246,8 @@ def random_model(args: ModelArgs, seed: int = 0):
     routing scores that random weights give (the normed activations are small), so every token
     would pick the experts with the largest biases (measured on the H200 at full width: 25-38
     distinct experts for 64 tokens instead of about 245), and a decode step would read far
-    fewer expert bytes than the released model's routing does."""
+    fewer expert bytes than the released model's routing does. `args.fp4_scale_fold` is resolved
+    on the random weights as the loaders resolve it (`loading.resolve_fp4_scale_fold`)."""
     abstract = nnx.eval_shape(lambda: Transformer(args))
     graphdef, state = nnx.split(abstract)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -255,7 +258,9 @@ def random_model(args: ModelArgs, seed: int = 0):
             out.append(jnp.zeros(leaf.shape, leaf.dtype))
         else:
             out.append(_random_leaf_jit(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)))
-    return graphdef, jax.tree.unflatten(treedef, out)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, out))
+    resolve_fp4_scale_fold(model, args, source="the random weights")  # as the loaders do
+    return nnx.split(model)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -386,7 +391,9 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
         key = jax.random.key(seed)
         st = jax.tree.unflatten(td, [_random_leaf_jit(jax.random.fold_in(key, i), tuple(l.shape), jnp.dtype(l.dtype))
                                      for i, l in enumerate(leaves)])
-        moes[path_name] = (gd, st)
+        m = nnx.merge(gd, st)
+        resolve_fp4_scale_fold(m, a, source="the random weights")  # the fast row: the loaders' default
+        moes[path_name] = nnx.split(m)
     per_expert = param_bytes(args)["layers"][0]["per_expert"]
     n_exp, k = args.moe_experts(0)
     for tokens in batches:
@@ -1032,7 +1039,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny width on any backend (bug check)")
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
-                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-fold (and fp4_scale_fold=on), "
+                   help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-nofold (fp4_scale_fold=off), "
                         "reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")

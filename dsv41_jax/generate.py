@@ -631,7 +631,7 @@ def main(argv=None) -> int:
     p.add_argument("--attn-accumulate", choices=("auto", "f64", "f32"), default="auto",
                    help="ModelArgs.attn_accumulate: the sparse attention in float64, the golden oracle's rounding "
                         "(auto, except on TPU), or in f32 (faster: the attention kernel where --kernels picks it)")
-    p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="off",
+    p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
     p.add_argument("--plan", action="store_true",

@@ -407,7 +407,7 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
 
 
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "off") -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               fp4_scale_fold: str = "auto") -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
     `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields.
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
     p.add_argument("--attn-accumulate", choices=("auto", "f64", "f32"), default="auto",
                    help="ModelArgs.attn_accumulate: the sparse attention in float64, the oracle's rounding "
                         "(auto, except on TPU), or in f32 (the attention kernel where --kernels picks it)")
-    p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="off",
+    p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")

@@ -43,18 +43,17 @@ def test_random_model_routes_tokens_across_the_experts():
     assert min(hit) >= n_exp - 1, hit  # uniform routing: 8 * (1 - (6/8)^64) = 8.0 expected
 
 
-def test_fast_fold_path_folds_scales_the_random_model_allows():
-    """`--paths fast-fold`: the model is built with fp4_scale_fold "on", which the random e8m0
-    bytes allow (a loader's check, run on the random weights, resolves "auto" to "on" too)."""
-    from dsv41_jax.loading import resolve_fp4_scale_fold
-
+def test_fast_paths_resolve_the_fold_as_the_loaders_do():
+    """Every path but `fast-nofold` keeps fp4_scale_fold's default "auto", which `random_model`
+    resolves on the random e8m0 bytes (all <= 128) as a loader does: the fold is on; `fast-nofold`
+    builds the kernel without it."""
     for path, (kernels, attn, fold) in model_speed.PATHS.items():
         assert model_speed.bench_args(True, 1, 64, kernels, attn, fold).fp4_scale_fold == fold, path
-    args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast-fold"])
-    graphdef, state = model_speed.random_model(args)
-    model = nnx.merge(graphdef, state)
-    assert model.layers[0].ffn.experts.scale_fold
-    assert resolve_fp4_scale_fold(model, args.replace(fp4_scale_fold="auto")).fp4_scale_fold == "on"
+    for path, want in (("fast", True), ("fast-nofold", False)):
+        args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS[path])
+        model = nnx.merge(*model_speed.random_model(args))
+        assert model.layers[0].ffn.experts.scale_fold is want, path
+        assert model.args.fp4_scale_fold == ("on" if want else "off"), path
 
 
 def test_prefill_count_follows_the_positions_each_layer_runs_on():

@@ -196,9 +196,9 @@ def test_keep_mode_writes_every_quantised_value_and_scale_bit_identical(tiny_con
 def test_load_converted_resolves_fp4_scale_fold_against_the_restored_scales(tiny_converted, tiny_hub):
     top = max_routed_scale_byte(tiny_hub)
     assert top <= 128  # the synthetic scales: 2^-k for a weight RMS ~ 1/sqrt(fan-in)
-    _, args = load_converted(tiny_converted)
+    _, args = load_converted(tiny_converted, fp4_scale_fold="off")
     assert args.fp4_scale_fold == "off"
-    model, args = load_converted(tiny_converted, fp4_scale_fold="auto")
+    model, args = load_converted(tiny_converted)  # the default: "auto"
     assert args.fp4_scale_fold == "on" == model.args.fp4_scale_fold
     assert model.layers[0].ffn.experts.scale_fold
 
@@ -242,7 +242,7 @@ def test_engram_rows_are_padded_to_the_mesh_split_recorded_and_loaded_with_the_p
     assert table["layers.1.engram.embed.scale"]["shape"] == [1624, tiny_args.engram_head_dim // 32]
     # restored here on one device, with the stored (padded) shape: hub rows bit for bit, then zero bytes
     model, args = load_converted(out)
-    assert args == tiny_args.replace(engram_rows_multiple=8)
+    assert args == tiny_args.replace(engram_rows_multiple=8, fp4_scale_fold="on")  # "auto" resolved
     params, direct = _params(model), _direct(tiny_hub, tiny_args)
     for p, want in direct.items():
         got = params[p]
@@ -436,7 +436,7 @@ def test_convert_then_load_equals_direct_loading_bit_for_bit_with_identical_logi
     rt = gs.inputs.get("runtime", {})
     converted, args = load_converted(out, max_batch_size=rt.get("max_batch_size", 4),
                                      max_seq_len=rt.get("max_seq_len", 4096))
-    assert args == gs.args
+    assert args == gs.args.replace(fp4_scale_fold="on")  # "auto" resolved: every routed scale byte <= 128
     direct = load_model(gs)
     _assert_params_bit_equal(_params(converted), _params(direct))
     assert np.array_equal(np.asarray(converted.token_map[...]), np.load(gs.path / "engram_map.npy"))

@@ -240,8 +240,8 @@ def test_cli_passes_the_kernel_and_attention_precision_choices_to_the_model(monk
     monkeypatch.setattr(G, "load_for_generate", stub)
     argv = ["--ckpt", str(TINY), "--prompt-ids", "[[1]]", "--kernels", "reference", "--attn-accumulate", "f32"]
     assert G.main(argv) == 2 and "stub: stop" in capsys.readouterr().err
-    assert seen == {"kernels": "reference", "attn_accumulate": "f32", "fp4_scale_fold": "off"}
-    assert G.main(argv + ["--fp4-scale-fold", "auto"]) == 2 and seen["fp4_scale_fold"] == "auto"
+    assert seen == {"kernels": "reference", "attn_accumulate": "f32", "fp4_scale_fold": "auto"}
+    assert G.main(argv + ["--fp4-scale-fold", "off"]) == 2 and seen["fp4_scale_fold"] == "off"
     for bad in (["--attn-accumulate", "bf16"], ["--fp4-scale-fold", "yes"]):
         with pytest.raises(SystemExit):
             G.main(["--ckpt", str(TINY), *bad])
@@ -249,9 +249,9 @@ def test_cli_passes_the_kernel_and_attention_precision_choices_to_the_model(monk
 
 def test_hub_loader_resolves_fp4_scale_fold():
     """`load_for_generate` of a hub-format directory checks the routed-expert scale bytes (tiny-a's
-    are all <= 128), so "auto" folds; "off" (the default) does not."""
-    for mode, want in (("off", False), ("auto", True)):
-        model = G.load_for_generate(TINY, 32, 1, fp4_scale_fold=mode)
+    are all <= 128), so "auto" (the default) folds; "off" does not."""
+    for mode, want in (("off", False), ("auto", True), (None, True)):
+        model = G.load_for_generate(TINY, 32, 1, **({} if mode is None else {"fp4_scale_fold": mode}))
         assert model.args.fp4_scale_fold == ("on" if want else "off")
         assert all(layer.ffn.experts.scale_fold is want for layer in model.layers)
 

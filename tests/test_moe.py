@@ -579,7 +579,7 @@ def test_gate_divides_its_logits_by_gate_temp_as_torch_does():
 
 def test_fp4_scale_fold_is_resolved_against_every_routed_scale_byte(golden):
     """`loading.resolve_fp4_scale_fold` on the loaded golden model: "off" leaves the kernel's x 2^126
-    where it is; "auto" folds it when every routed-expert e8m0 byte of the checkpoint is <= 128
+    where it is; "auto" (the default) folds it when every routed-expert e8m0 byte of the checkpoint is <= 128
     (read here from the hub tensors); one byte of 129 in any expert turns "auto" off and makes
     "on" an error naming that hub tensor."""
     from conftest import max_routed_scale_byte
@@ -590,7 +590,8 @@ def test_fp4_scale_fold_is_resolved_against_every_routed_scale_byte(golden):
     from dsv41_jax.parity import load_model
 
     top = max_routed_scale_byte(golden.path)
-    model = load_model(golden)
+    assert load_model(golden).args.fp4_scale_fold == ("on" if top <= 128 else "off")  # the default: "auto"
+    model = load_model(golden, fp4_scale_fold="off")
     experts = {".".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, Experts)}
     assert model.args.fp4_scale_fold == "off" and not any(m.scale_fold for m in experts.values())
     assert set(experts) == {f"layers.{i}.ffn.experts" for i in range(golden.args.n_layers)}  # the text model

@@ -71,13 +71,14 @@ class BlockSizes:
       dot per code position plus an add of its result (kernel_gpu.expert_matmul). Compiled without
       a GPU (benchmarks/triton_sass.py, triton 3.9.0): the K loop's instructions fall 5% (w1 + w3
       at decode tiles), 8% (w1) and 41% (64-row prefill tiles), the fused launch's spills mostly
-      go; not yet timed on a GPU, hence off.
+      go. On the H200 (twenty-third run) no faster at decode, hence off.
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
       (bit-identical for those bytes; larger bytes would give inf). Dropping that multiply (wrong
       values, timing only) made w1 7-9% faster at 8 and 64 tokens on the H200 (seventh run); the
-      fold itself is not yet timed there. Other decodes ignore it.
+      fold made w1 at 64 tokens 7% faster and a decode step 3% (batch 1) and 7.5% (batch 64)
+      (twenty-third run). Other decodes ignore it.
     Measured in the six-layer decode step on the H200 (benchmarks/README.md, tenth run, device
     time a step, against the ninth run's unmasked, unfused kernels): w2 with masked x 133 against
     147 µs at one token, 3847 against 4408 at 64 tokens; w1 and w3 fused with masked x 267
