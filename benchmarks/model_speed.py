@@ -258,8 +258,14 @@ def random_model(args: ModelArgs, seed: int = 0):
             out.append(jnp.zeros(leaf.shape, leaf.dtype))
         else:
             out.append(_random_leaf_jit(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)))
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, out))
-    resolve_fp4_scale_fold(model, args, source="the random weights")  # as the loaders do
+    return _with_resolved_fold(graphdef, jax.tree.unflatten(treedef, out), args)
+
+
+def _with_resolved_fold(graphdef, state, args: ModelArgs):
+    """(graphdef, state) with `args.fp4_scale_fold` resolved on the weights in `state`, as the
+    loaders resolve it (`loading.resolve_fp4_scale_fold`)."""
+    model = nnx.merge(graphdef, state)
+    resolve_fp4_scale_fold(model, args, source="the random weights")
     return nnx.split(model)
 
 
@@ -391,9 +397,7 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
         key = jax.random.key(seed)
         st = jax.tree.unflatten(td, [_random_leaf_jit(jax.random.fold_in(key, i), tuple(l.shape), jnp.dtype(l.dtype))
                                      for i, l in enumerate(leaves)])
-        m = nnx.merge(gd, st)
-        resolve_fp4_scale_fold(m, a, source="the random weights")  # the fast row: the loaders' default
-        moes[path_name] = nnx.split(m)
+        moes[path_name] = _with_resolved_fold(gd, st, a)  # the fast row: the loaders' default
     per_expert = param_bytes(args)["layers"][0]["per_expert"]
     n_exp, k = args.moe_experts(0)
     for tokens in batches:

@@ -489,8 +489,8 @@ for spec, with_logits in json.loads(sys.argv[3]):
     out = sys.argv[2] + "/" + spec.replace(",", "_").replace("=", "")
     convert_checkpoint(gs.path, out, mesh=spec, progress=False)
     mesh = shd.make_mesh(spec, args=args)
-    model, margs = load_converted(out, mesh, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                                  fp4_scale_fold="auto")  # checked on the sharded scales
+    # fp4_scale_fold's default "auto": checked on the sharded scales
+    model, margs = load_converted(out, mesh, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
     got = module_param_paths(model)
     specs = shd.param_partition_specs(margs, mesh, strict=True)  # strict: every rule applies in full
     unequal = []
