@@ -41,7 +41,9 @@ kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and
 speed-up; the path `fast-f32` is `fast` with `attn_accumulate="f32"` (the sparse attention in
 f32, on the Pallas kernel, instead of the float64 reference) and `fast-nofold` is `fast` with
 `fp4_scale_fold="off"` (the routed-expert kernel's x 2^126 not folded into the scales; every path
-else resolves the default "auto" on the random weights as the loaders do: on). `--tiny` runs
+else resolves the default "auto" on the random weights as the loaders do: on); `fast-onerow` is
+`fast` with the routed experts' decode gather as one-row programs without tensor cores
+(`Experts.one_row`, `expert_matmul.BlockSizes.one_row`). `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -82,9 +84,11 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 
 
 # path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "auto" resolves
-# to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold
+# to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold;
+# "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`)
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
-         "reference": ("reference", "auto", "auto")}
+         "fast-onerow": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
+ONE_ROW_PATHS = ("fast-onerow",)
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -261,6 +265,17 @@ def random_model(args: ModelArgs, seed: int = 0):
     return _with_resolved_fold(graphdef, jax.tree.unflatten(treedef, out), args)
 
 
+def with_one_row(graphdef, state):
+    """(graphdef, state) with every routed-expert module's `one_row` set (path "fast-onerow")."""
+    from dsv41_jax.moe import Experts
+
+    model = nnx.merge(graphdef, state)
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, Experts):
+            m.one_row = True
+    return nnx.split(model)
+
+
 def _with_resolved_fold(graphdef, state, args: ModelArgs):
     """(graphdef, state) with `args.fp4_scale_fold` resolved on the weights in `state`, as the
     loaders resolve it (`loading.resolve_fp4_scale_fold`)."""
@@ -378,7 +393,10 @@ def ceilings(rep: Report, tiny: bool) -> dict:
 # expert_matmul.BlockSizes fields tried on one projection ({}: the defaults)
 KERNEL_VARIANTS = ({}, {"one_dot": True}, {"scale_fold": True}, {"one_dot": True, "scale_fold": True},
                    {"one_dot": True, "scale_fold": True, "num_warps": 8},
-                   {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64}, {"num_warps": 8})
+                   {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64}, {"num_warps": 8},
+                   {"one_row": True}, {"one_row": True, "scale_fold": True},
+                   {"one_row": True, "scale_fold": True, "block_k": 256},
+                   {"one_row": True, "scale_fold": True, "num_warps": 8})
 
 
 def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0, variants=KERNEL_VARIANTS):
@@ -535,6 +553,8 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
                 try:
                     graphdef, state = random_model(args)
+                    if path in ONE_ROW_PATHS:
+                        graphdef, state = with_one_row(graphdef, state)
                     cache = seeded_cache(args, batch, context)
                     # distinct random tokens: rows that all decode one token route alike, and
                     # then far fewer experts are read than `unique_experts` counts
@@ -1044,7 +1064,7 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
                    help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-nofold (fp4_scale_fold=off), "
-                        "reference (plain jnp)")
+                        "fast-onerow (one-row expert gather), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")

@@ -42,12 +42,14 @@ import jax
 import jax.numpy as jnp
 
 # site -> (N, K, weights per launch, rows per tile): the released w1 / w3 (fused at decode
-# tiles), w2, and a prefill-sized tile
+# tiles), w2, a prefill-sized tile, and the gather path's one-row programs (`BlockSizes.one_row`)
 SITES = {
     "w1+w3 decode": (2304, 5120, 2, 16),
     "w1 decode": (2304, 5120, 1, 16),
     "w2 decode": (5120, 2304, 1, 16),
     "w1 prefill": (2304, 5120, 1, 64),
+    "w1+w3 one row": (2304, 5120, 2, 1),
+    "w2 one row": (5120, 2304, 1, 1),
 }
 # the element-wise families the decodes compile to (integer logic, shifts, byte permutes,
 # packed-bf16 and fp32 multiplies, conversions, selects)

@@ -191,6 +191,8 @@ class Experts(nnx.Module):
     `scale_fold` (ModelArgs.fp4_scale_fold "on", or "auto" resolved by a loader): every scale
     byte is <= 128, so the kernel may fold its decode's x 2^126 into the scales
     (`expert_matmul.BlockSizes.scale_fold`); `loading.resolve_fp4_scale_fold` checks and sets it.
+    `one_row` (off; set on the module to try it): the gather path's pairs run as one-row programs
+    without tensor cores (`expert_matmul.BlockSizes.one_row`).
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,
@@ -201,6 +203,7 @@ class Experts(nnx.Module):
         self.dtype = dtype
         self.kernels, self.kernels_interpret = kernels, kernels_interpret
         self.scale_fold = scale_fold
+        self.one_row = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
         self.w3 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
@@ -296,8 +299,9 @@ class Experts(nnx.Module):
         return lin(self.w2, h)
 
     def block_sizes(self) -> expert_matmul.BlockSizes:
-        """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it."""
-        return expert_matmul.BlockSizes(scale_fold=self.scale_fold)
+        """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
+        `one_row` when set."""
+        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row)
 
     def use_kernel(self) -> bool:
         """Whether the routed GEMMs go through the fp4 Pallas kernel (fp4 experts, kernels

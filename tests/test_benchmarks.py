@@ -56,6 +56,20 @@ def test_fast_paths_resolve_the_fold_as_the_loaders_do():
         assert model.args.fp4_scale_fold == ("on" if want else "off"), path
 
 
+def test_one_row_path_sets_every_routed_expert_module():
+    """`fast-onerow` is `fast` (same ModelArgs) with `one_row` on every Experts module, which
+    their kernel options carry; `fast` leaves it off."""
+    assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast"]
+    args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
+    graphdef, state = model_speed.random_model(args)
+    plain = nnx.merge(graphdef, state)
+    one = nnx.merge(*model_speed.with_one_row(graphdef, state))
+    for i in range(args.n_layers):
+        assert plain.layers[i].ffn.experts.block_sizes().one_row is False
+        assert one.layers[i].ffn.experts.block_sizes().one_row is True
+        assert one.layers[i].ffn.experts.block_sizes().scale_fold is plain.layers[i].ffn.experts.scale_fold is True
+
+
 def test_prefill_count_follows_the_positions_each_layer_runs_on():
     """The replayed layers (SPEC §19.1) run on a suffix of the prompt; the prefill's FLOP count
     takes each layer at the positions its MoE routed in a real prefill, not the whole prompt."""

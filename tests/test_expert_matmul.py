@@ -187,6 +187,39 @@ class TestKernelInterpretOneDot(GatherBase):
     block_sizes = api.BlockSizes(one_dot=True)
 
 
+class TestKernelInterpretOneRow(GatherBase):
+    # the gather path's pairs as one-row programs without tensor cores (the grouped path keeps
+    # its tiles)
+    implementation = "pallas"
+    interpret = True
+    block_sizes = api.BlockSizes(one_row=True)
+
+
+def test_one_row_gather_loads_no_padding_and_matches_tensor_core_tiles(monkeypatch):
+    """Interpret mode: `one_row` runs the gather as one-row programs (rows=1 on the unpadded x),
+    with the tensor-core tiles' outputs but for fp32 summation order (exact products in both)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    n_exp, n, k, ids = GATHER_CASES["wide_n_odd_rows"]
+    x, w, s, _, _ = make(np.random.default_rng(5), n_exp, n, k, len(ids))
+    e = jnp.asarray(ids, jnp.int32)
+    seen, real = [], kernel_gpu.expert_matmul
+
+    def spy(x, *a, rows, **kw):
+        seen.append((x.shape, rows))
+        return real(x, *a, rows=rows, **kw)
+
+    monkeypatch.setattr(kernel_gpu, "expert_matmul", spy)
+    for bs in (api.BlockSizes(one_row=True), None):
+        api.gather_matmul(x, w, s, e, implementation="pallas", interpret=True, block_sizes=bs)
+    assert seen == [((len(ids), k), 1), ((len(ids) + 15, k), 16)]
+    monkeypatch.undo()
+    one = _gather(x, w, s, e, implementation="pallas", interpret=True, block_sizes=api.BlockSizes(one_row=True))
+    tc = _gather(x, w, s, e, implementation="pallas", interpret=True)
+    assert np.mean(ulps(one, tc) == 0) >= 0.97
+    assert np.max(ulps(one, tc)) <= 2
+
+
 def test_concat_k_puts_code_position_j_at_columns_j_kw():
     """`_concat_k` of the 8 code-position arrays [bn, kw] is their concatenation along K, the
     order of x's permuted columns (code j of word c at column j*kw + c)."""
@@ -237,6 +270,11 @@ class TestKernelGPUOneDot(TestKernelGPU):
 
 
 @needs_gpu
+class TestKernelGPUOneRow(TestKernelGPU):
+    block_sizes = api.BlockSizes(one_row=True)
+
+
+@needs_gpu
 class TestKernelGPUScaleFold(TestKernelGPU):
     # x 2^126 folded into the scales: valid for bytes <= 128 only (the loaders check); 96..128
     # puts the largest foldable byte in every case
@@ -247,6 +285,11 @@ class TestKernelGPUScaleFold(TestKernelGPU):
 @needs_gpu
 class TestKernelGPUScaleFoldOneDot(TestKernelGPUScaleFold):
     block_sizes = api.BlockSizes(scale_fold=True, one_dot=True)
+
+
+@needs_gpu
+class TestKernelGPUScaleFoldOneRow(TestKernelGPUScaleFold):
+    block_sizes = api.BlockSizes(scale_fold=True, one_row=True)
 
 
 @needs_gpu
@@ -317,33 +360,38 @@ def test_scale_fold_pairs_are_exact_for_bytes_up_to_128():
             f"mov.b32 r_k, {kernel_gpu.BF16X2_2P126:#x};\n", "") == folded_ptx
 
 
-@pytest.mark.parametrize(("decode", "one_dot", "scale_fold"), [
-    ("select", False, False), ("subnormal", False, False), ("pairs", False, False),
-    ("select", True, False), ("subnormal", True, False), ("pairs", True, False),
-    ("pairs", False, True), ("pairs", True, True)])
-def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold):
+@pytest.mark.parametrize(("decode", "one_dot", "scale_fold", "rows"), [
+    ("select", False, False, 16), ("subnormal", False, False, 16), ("pairs", False, False, 16),
+    ("select", True, False, 16), ("subnormal", True, False, 16), ("pairs", True, False, 16),
+    ("pairs", False, True, 16), ("pairs", True, True, 16),
+    ("select", False, False, 1), ("pairs", False, False, 1), ("pairs", False, True, 1)])
+def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows):
     """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering);
-    the "pairs" kernel carries 16 packed multiplies a word pair's codes, 8 with `scale_fold`."""
+    the "pairs" kernel carries 16 packed multiplies a word pair's codes, 8 with `scale_fold`; the
+    tensor-core tiles have dots, one-row programs none."""
     from pallas_kernels.expert_matmul import kernel_gpu
 
     x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 16)
-    te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [16]))
-    f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=16, block_n=64, block_k=256,
+    te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [rows]))
+    f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=rows, block_n=64, block_k=256,
                                                  num_warps=4, num_stages=3, interpret=False, decode=decode,
                                                  one_dot=one_dot, scale_fold=scale_fold)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "expert_matmul_fp4" in text
     assert text.count("mul.rn.bf16x2") == (0 if decode != "pairs" else 8 if scale_fold else 16)
+    assert ("dot" in text) == (rows == 16), rows
 
 
 @needs_gpu
-@pytest.mark.parametrize(("decode", "scale_fold"), [("select", False), ("subnormal", False), ("pairs", False),
-                                                    ("pairs", True)])
-def test_every_scale_byte_decodes_exactly(decode, scale_fold):
+@pytest.mark.parametrize(("decode", "scale_fold", "one_row"), [
+    ("select", False, False), ("subnormal", False, False), ("pairs", False, False), ("pairs", True, False),
+    ("pairs", False, True), ("pairs", True, True)])
+def test_every_scale_byte_decodes_exactly(decode, scale_fold, one_row):
     """Scale bytes 0..252 (2^-127 a subnormal, up to where 6 x scale still fits bf16) and 255
     (NaN), every code: one-hot rows of 2^64 read single weights out, so each output is one exact
     product (normal in fp32) and must equal the float64 oracle rounded to bf16 bit for bit. With
-    `scale_fold` the bytes its callers guarantee: 0..128."""
+    `scale_fold` the bytes its callers guarantee: 0..128. `one_row`: the products on the CUDA
+    cores instead of the tensor cores."""
     n, k = 64, 256
     rng = np.random.default_rng(5)
     w_np = rng.integers(-128, 128, (1, n, k // 2), dtype=np.int8)
@@ -355,7 +403,7 @@ def test_every_scale_byte_decodes_exactly(decode, scale_fold):
     s = jnp.asarray(s_np.view(ml_dtypes.float8_e8m0fnu))
     e = jnp.zeros((k,), jnp.int32)
     out = _gather(x, jnp.asarray(w_np), s, e, implementation="pallas", interpret=False,
-                  block_sizes=api.BlockSizes(decode=decode, scale_fold=scale_fold))
+                  block_sizes=api.BlockSizes(decode=decode, scale_fold=scale_fold, one_row=one_row))
     want = (np.eye(k) * 2.0**64) @ np.nan_to_num(np_dense(w_np, s_np)[0].T, nan=0.0)
     if not scale_fold:
         want[:, -1] = np.nan
@@ -526,3 +574,24 @@ def test_moe_passes_scale_fold_to_the_kernel(path, monkeypatch):
         seen.clear()
         m(x, path=path)
         assert seen and set(seen) == {want}
+
+
+def test_moe_one_row_gather_matches_the_jnp_path(monkeypatch):
+    """`Experts.one_row` runs the MoE's gather path (decode) as one-row kernel programs (rows=1 at
+    every launch) and the grouped path as before; the gather's outputs match the jnp path as the
+    tensor-core tiles' do."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 19, 128)), jnp.bfloat16)
+    m_ref, m_k = _moe("reference"), _moe("pallas")
+    m_k.experts.one_row = True
+    seen, real = [], kernel_gpu.expert_matmul
+    monkeypatch.setattr(kernel_gpu, "expert_matmul", lambda *a, **k: seen.append(k["rows"]) or real(*a, **k))
+    a, _ = m_ref(x, path="gather")
+    b, _ = m_k(x, path="gather")
+    assert seen and set(seen) == {1}
+    d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+    seen.clear()
+    m_k(x, path="grouped")
+    assert seen and 1 not in seen

@@ -71,7 +71,13 @@ class BlockSizes:
       dot per code position plus an add of its result (kernel_gpu.expert_matmul). Compiled without
       a GPU (benchmarks/triton_sass.py, triton 3.9.0): the K loop's instructions fall 5% (w1 + w3
       at decode tiles), 8% (w1) and 41% (64-row prefill tiles), the fused launch's spills mostly
-      go. On the H200 (twenty-third run) no faster at decode, hence off.
+      go. On the H200 (twenty-third run) no faster at decode, hence off. One-row programs have no dot
+      (ignored there).
+    one_row: the gather path (one (token, expert) pair a tile: decode at up to 64 pairs) runs
+      one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
+      tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
+      Compiled without a GPU (benchmarks/triton_sass.py) its K loop issues no shared-memory stores
+      and no MMA; not yet timed on a GPU, hence off.
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
@@ -95,6 +101,7 @@ class BlockSizes:
     mask_x: bool = True
     one_dot: bool = False
     scale_fold: bool = False
+    one_row: bool = False
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
         # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
@@ -106,7 +113,7 @@ class BlockSizes:
         decode = self.decode or ("select" if interpret else "pairs")
         fuse = rows <= 16 if self.fuse is None else self.fuse
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
-                                   fuse=fuse)
+                                   fuse=fuse, one_dot=self.one_dot and rows > 1)
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
@@ -181,10 +188,14 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
     if r == 0 or not gpu_kernel(implementation, interpret, "expert_matmul"):
         return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
 
+    one_row = (block_sizes or BlockSizes()).one_row
+
     def local(x, expert):  # per data shard on a mesh (split_batch): pairs are token-major
         r = x.shape[0]
-        rows = 16  # tensor-core minimum; each tile's other 15 rows are padding (masked at the store)
-        xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
+        # a tile is one pair: one row without tensor cores, or a 16-row tensor-core tile whose
+        # other 15 rows are padding (masked at the store)
+        rows = 1 if one_row else 16
+        xp = x.astype(jnp.bfloat16) if rows == 1 else jnp.pad(x.astype(jnp.bfloat16), ((0, rows - 1), (0, 0)))
         # tile t is row t: numpy constants, which XLA keeps as literals (jnp.arange became an iota
         # kernel before each launch on GPUs, 12 a six-layer decode step)
         ar, ones = np.arange(r, dtype=np.int32), np.ones((r,), np.int32)

@@ -13,6 +13,13 @@ accumulation, one bf16 rounding, a masked store of the tile's valid rows. A dead
 stores nothing. One launch can take G weights of one shape (an expert's w1 and w3): each
 program then keeps G accumulators and loads its x columns once per K step for all G.
 
+One row (`rows` = 1, the decode's gather path: a tile is one (token, expert) pair): no tensor
+cores. Each program multiplies the decoded codes by the row's matching x columns element by
+element in fp32 (exact products) and adds them into a [block_n, block_k/8] fp32 accumulator (one
+running sum per column and word position), summed along its second axis once after the K loop.
+The decoded tile never goes through shared memory into an MMA layout, and no padding rows are
+loaded or multiplied (a 16-row tensor-core tile of one pair is 15 rows of padding).
+
 Decodes (`decode`), all exact:
   * "select": integer select of the fp32 bits per code, fp32 scale multiply, bf16 rounding;
   * "subnormal": the three magnitude bits moved into an fp32 subnormal, x 2^126, x scale (five
@@ -152,6 +159,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
     valid = valid_ref[t]
     kw, ks = block_k // 8, block_k // 32
     dims = (((1,), (1,)), ((), ()))
+    one_row = rows == 1
 
     def codes(words, sb):
         """[bn, kw] int32 words, [bn, ks] int32 e8m0 bytes -> 8 bf16 [bn, kw]: code j of each word
@@ -172,7 +180,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         """x columns [c0, c0 + width) of the tile's rows: [rows, width] bf16; with `mask_x` rows
         past `valid` are not read (zeros: they belong to other tiles and are never stored)."""
         ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, width)]
-        if not mask_x:
+        if not mask_x or rows == 1:  # (one row: the program runs only for a valid row)
             return ref[...]
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)
         return plgpu.load(ref, mask=r < valid, other=0.0)
@@ -184,11 +192,16 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
                 xb = x_cols(jb * block_k, block_k)
             else:  # code j of every word: x columns j*kw + c
                 xs = [x_cols(jb * block_k + j * kw, kw) for j in range(8)]
+            if one_row:  # [1, kw] fp32 rows, broadcast over the tile's columns
+                xs = [xj.astype(jnp.float32) for xj in xs]
             new = []
             for w_ref, s_ref, acc in zip(w_refs, s_refs, accs):
                 words = w_ref[e, pl.ds(n0, block_n), pl.ds(jb * kw, kw)]  # [bn, bk/8] int32
                 sb = s_ref[e, pl.ds(n0, block_n), pl.ds(jb * ks, ks)].astype(jnp.int32)  # [bn, bk/32]
-                if one_dot:
+                if one_row:  # exact products, added per word column (no tensor cores)
+                    for xj, wj in zip(xs, codes(words, sb)):
+                        acc = acc + wj.astype(jnp.float32) * xj
+                elif one_dot:
                     acc = acc + jax.lax.dot_general(xb, _concat_k(codes(words, sb)), dims,
                                                     preferred_element_type=jnp.float32)
                 else:
@@ -197,8 +210,10 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
                 new.append(acc)
             return tuple(new)
 
-        zero = jnp.zeros((rows, block_n), jnp.float32)
+        zero = jnp.zeros((block_n, kw) if one_row else (rows, block_n), jnp.float32)
         accs = jax.lax.fori_loop(0, n_kblocks, body, (zero,) * g)
+        if one_row:  # each column's kw running sums, added once after the K loop
+            accs = tuple(jnp.sum(acc, axis=1)[None, :] for acc in accs)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
         cols = pl.ds(n0, block_n)
         for o_ref, acc in zip(o_refs, accs):
@@ -247,8 +262,11 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     n_exp, n, k2 = ws[0].shape
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
-    if not is_pow2(rows) or rows < 16:
-        raise NotImplementedError(f"rows per tile must be a power of 2 >= 16 for tensor-core tiles, got {rows=}")
+    if rows != 1 and (not is_pow2(rows) or rows < 16):
+        raise NotImplementedError(f"rows per tile must be 1 (no tensor cores) or a power of 2 >= 16 for "
+                                  f"tensor-core tiles, got {rows=}")
+    if rows == 1 and one_dot:
+        raise NotImplementedError("one_dot needs tensor-core tiles (rows >= 16), got rows=1")
     if not is_pow2(block_n) or block_n < 16 or n % block_n:
         raise NotImplementedError(f"block_n must be a power of 2 >= 16 dividing {n=}, got {block_n=}")
     if not is_pow2(block_k) or block_k < 128 or k % block_k:
