@@ -535,7 +535,9 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
     `bound` the step gets the Generator's context bound (`generate.context_bucket`), so the
     indexers score only the rows the context can see, else every cached row. Rows record both.
     measure_routing: the row's bytes count the experts the step routes to (`routed_experts`, one
-    extra compiled step) instead of the uniform-routing estimate, which is recorded beside.
+    extra compiled step) instead of the uniform-routing estimate, which is recorded beside; where
+    that pass fails (out of memory at batch 256 and 64k on one H200) the row keeps the uniform
+    estimate and says so (`routing`, `routing_error`).
     loop_steps: also time `Generator`'s decode program running this many greedy steps in one
     call (positions context - 1 - loop_steps ... context - 2, so the same context bound); with
     `host_loop` against the same program with the loop driven by the host (`loop_row`).
@@ -560,12 +562,19 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     # then far fewer experts are read than `unique_experts` counts
                     ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
                     pos = cache["seq_len"]
+                    extra = {}
                     if measure_routing:
-                        hit, cache = routed_experts(graphdef, state, ids, pos, cache, context_bound)
-                        extra = {"bytes_uniform_routing": by, "unique_experts_measured": hit}
-                        counts, by = decode_bytes(args, pb, batch, context, hit)
-                    else:
-                        extra = {}
+                        try:
+                            hit, cache = routed_experts(graphdef, state, ids, pos, cache, context_bound)
+                        except Exception as e:  # noqa: BLE001 - e.g. out of memory at 256 x 64k
+                            # the row is still timed, its bytes from uniform routing; the cache
+                            # was donated to the failed pass, so it is seeded again
+                            extra = {"routing": "uniform (the measured-routing pass failed)",
+                                     "routing_error": f"{type(e).__name__}: {str(e)[:200]}"}
+                            cache = seeded_cache(args, batch, context)
+                        else:
+                            extra = {"bytes_uniform_routing": by, "unique_experts_measured": hit}
+                            counts, by = decode_bytes(args, pb, batch, context, hit)
                     t0 = time.perf_counter()
                     # compiled once: the timed calls and a profile's HLO text share the executable
                     f = _decode_fn(graphdef, context_bound).lower(state, ids, pos, cache).compile()

@@ -166,6 +166,23 @@ def test_host_loop_rows_run_both_decode_programs_in_alternating_rounds(tmp_path,
     assert rep.rows[-1]["name"] == "decode fast loop" and "rounds_s" not in rep.rows[-1] and len(order) == 7
 
 
+def test_a_failed_routing_pass_leaves_a_timed_row_with_uniform_bytes(tmp_path, monkeypatch, capsys):
+    """--measure-routing where the routing pass fails (out of memory at 256 x 64k on the H200):
+    the row is still timed on a fresh cache, its bytes from uniform routing, and it says so."""
+    def fail(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate 8.00GiB")
+
+    monkeypatch.setattr(model_speed, "routed_experts", fail)
+    monkeypatch.setattr(model_speed, "timeit", lambda fn, **kw: (jax.block_until_ready(fn()), 1e-3)[1])
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.decode_section(rep, {"hbm": 1e12}, True, [2], [64], ["fast"], set(), measure_routing=True)
+    row = next(r for r in rep.rows if r["name"] == "decode fast")
+    assert row["seconds"] == 1e-3 and row["routing"].startswith("uniform")
+    assert "RESOURCE_EXHAUSTED" in row["routing_error"] and "unique_experts_measured" not in row
+    args = model_speed.bench_args(True, 2, 64, "auto")
+    assert row["bytes"] == model_speed.decode_bytes(args, model_speed.param_bytes(args), 2, 64)[1]
+
+
 def test_profile_file_names_keep_paths_apart():
     names = ["decode fast", "decode reference", "prefill fast", "decode fast-f32"]
     assert [model_speed._path_suffix(n) for n in names] == ["", "_reference", "", "_fast-f32"]
@@ -466,6 +483,10 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     assert fold["alu_per_code"] < dec["alu_per_code"] and fold["loop_instructions"] < dec["loop_instructions"]
     assert fold["issue_bound"]["weights_tb_s"] > dec["issue_bound"]["weights_tb_s"]
     assert dec["issue_bound"] == triton_sass.issue_bound(dec["loop_instructions"], 4, 64 * (256 + 16), 2 * 16 * 64 * 512)
+    # one-row programs: no MMA in the loop, one fp32 FMA a code, no spills
+    one = triton_sass.site_row("w2 one row", {"scale_fold": True})
+    assert one["mma"] == {} and one["spill_ops"] == 0, one
+    assert one["top_ops"].get("FFMA", 0) == one["codes_per_thread"], one
 
 
 def test_default_expert_variants_are_block_size_fields():
@@ -474,6 +495,7 @@ def test_default_expert_variants_are_block_size_fields():
     for v in model_speed.KERNEL_VARIANTS:
         api.BlockSizes(**v)  # a misspelt field would be a TypeError here, not a silent error row on the GPU
     assert {"one_dot": True} in model_speed.KERNEL_VARIANTS and {"scale_fold": True} in model_speed.KERNEL_VARIANTS
+    assert {"one_row": True, "scale_fold": True} in model_speed.KERNEL_VARIANTS
 
 
 def test_triton_sass_splits_cuobjdump_listings_by_function():
