@@ -88,7 +88,6 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`)
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
          "fast-onerow": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
-ONE_ROW_PATHS = ("fast-onerow",)
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -555,7 +554,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
                 try:
                     graphdef, state = random_model(args)
-                    if path in ONE_ROW_PATHS:
+                    if path == "fast-onerow":
                         graphdef, state = with_one_row(graphdef, state)
                     cache = seeded_cache(args, batch, context)
                     # distinct random tokens: rows that all decode one token route alike, and

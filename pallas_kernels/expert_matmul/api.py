@@ -76,8 +76,9 @@ class BlockSizes:
     one_row: the gather path (one (token, expert) pair a tile: decode at up to 64 pairs) runs
       one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
       tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
-      Compiled without a GPU (benchmarks/triton_sass.py) its K loop issues no shared-memory stores
-      and no MMA; not yet timed on a GPU, hence off.
+      Compiled without a GPU (benchmarks/triton_sass.py) its K loop has no MMA, no spills and fewer
+      registers, but more instructions a code (5.9 against 4.6 for w1 + w3 with the fold); not yet
+      timed on a GPU, hence off.
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale

@@ -17,8 +17,8 @@ One row (`rows` = 1, the decode's gather path: a tile is one (token, expert) pai
 cores. Each program multiplies the decoded codes by the row's matching x columns element by
 element in fp32 (exact products) and adds them into a [block_n, block_k/8] fp32 accumulator (one
 running sum per column and word position), summed along its second axis once after the K loop.
-The decoded tile never goes through shared memory into an MMA layout, and no padding rows are
-loaded or multiplied (a 16-row tensor-core tile of one pair is 15 rows of padding).
+No padding rows are loaded or multiplied (a 16-row tensor-core tile of one pair is 15 rows of
+padding); each code then costs an fp32 conversion and an FMA instead of a share of an MMA.
 
 Decodes (`decode`), all exact:
   * "select": integer select of the fp32 bits per code, fp32 scale multiply, bf16 rounding;
@@ -180,7 +180,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         """x columns [c0, c0 + width) of the tile's rows: [rows, width] bf16; with `mask_x` rows
         past `valid` are not read (zeros: they belong to other tiles and are never stored)."""
         ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, width)]
-        if not mask_x or rows == 1:  # (one row: the program runs only for a valid row)
+        if not mask_x or one_row:  # (one row: the program runs only for a valid row)
             return ref[...]
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)
         return plgpu.load(ref, mask=r < valid, other=0.0)
