@@ -43,7 +43,9 @@ f32, on the Pallas kernel, instead of the float64 reference) and `fast-nofold` i
 `fp4_scale_fold="off"` (the routed-expert kernel's x 2^126 not folded into the scales; every path
 else resolves the default "auto" on the random weights as the loaders do: on); `fast-onerow` is
 `fast` with the routed experts' decode gather as one-row programs without tensor cores
-(`Experts.one_row`, `expert_matmul.BlockSizes.one_row`). `--tiny` runs
+(`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-f64k` is `fast` with the float64
+attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
+`sparse_attention.BlockSizes.f64_kernel`). `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -85,9 +87,13 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 
 # path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "auto" resolves
 # to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold;
-# "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`)
+# "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
+# "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`)
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
-         "fast-onerow": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
+         "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
+         "reference": ("reference", "auto", "auto")}
+# path -> (module class name, attribute) set on every such module of the model
+PATH_FLAGS = {"fast-onerow": ("Experts", "one_row"), "fast-f64k": ("Attention", "f64_kernel")}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -264,14 +270,17 @@ def random_model(args: ModelArgs, seed: int = 0):
     return _with_resolved_fold(graphdef, jax.tree.unflatten(treedef, out), args)
 
 
-def with_one_row(graphdef, state):
-    """(graphdef, state) with every routed-expert module's `one_row` set (path "fast-onerow")."""
-    from dsv41_jax.moe import Experts
-
+def with_path_flags(graphdef, state, path: str):
+    """(graphdef, state) with the module attribute `PATH_FLAGS[path]` set on every module of that
+    class ("fast-onerow": `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`); other paths
+    unchanged."""
+    if path not in PATH_FLAGS:
+        return graphdef, state
+    cls, attr = PATH_FLAGS[path]
     model = nnx.merge(graphdef, state)
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, Experts):
-            m.one_row = True
+        if type(m).__name__ == cls:
+            setattr(m, attr, True)
     return nnx.split(model)
 
 
@@ -395,7 +404,9 @@ KERNEL_VARIANTS = ({}, {"one_dot": True}, {"scale_fold": True}, {"one_dot": True
                    {"decode": "subnormal"}, {"decode": "select"}, {"block_k": 256}, {"block_n": 64}, {"num_warps": 8},
                    {"one_row": True}, {"one_row": True, "scale_fold": True},
                    {"one_row": True, "scale_fold": True, "block_k": 256},
-                   {"one_row": True, "scale_fold": True, "num_warps": 8})
+                   {"one_row": True, "scale_fold": True, "num_warps": 8},
+                   {"one_row": True, "scale_fold": True, "k_splits": 1},
+                   {"one_row": True, "scale_fold": True, "k_splits": 5}, {"scale_fold": True, "k_splits": 2})
 
 
 def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int = 0, variants=KERNEL_VARIANTS):
@@ -554,8 +565,7 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
                 try:
                     graphdef, state = random_model(args)
-                    if path == "fast-onerow":
-                        graphdef, state = with_one_row(graphdef, state)
+                    graphdef, state = with_path_flags(graphdef, state, path)
                     cache = seeded_cache(args, batch, context)
                     # distinct random tokens: rows that all decode one token route alike, and
                     # then far fewer experts are read than `unique_experts` counts
@@ -1002,7 +1012,7 @@ def prefill_section(rep, ceil, tiny, lengths, paths, profile_for=()):
             by = sum(c[0] for c in counts)
             fl = sum(c[1] for c in counts) + 2 * args.vocab_size * args.dim
             try:
-                graphdef, state = random_model(args)
+                graphdef, state = with_path_flags(*random_model(args), path)
                 cache = jax.jit(lambda: init_cache(args, 1, s))()
                 ids = jax.random.randint(jax.random.key(2), (1, s), 0, args.vocab_size)
 
@@ -1072,7 +1082,8 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
                    help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-nofold (fp4_scale_fold=off), "
-                        "fast-onerow (one-row expert gather), reference (plain jnp)")
+                        "fast-onerow (one-row expert gather), fast-f64k (float64 attention kernel), "
+                        "reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")

@@ -36,6 +36,7 @@ from dsv41_jax.layers import Linear, RMSNorm, apply_linears, apply_rope, linear_
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels.fp8_matmul import api as fp8_matmul
 from pallas_kernels.fp8_matmul import reference as fp8_reference
+from pallas_kernels.sparse_attention.api import BlockSizes as SparseAttnBlockSizes
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
 
@@ -504,6 +505,8 @@ class Attention(nnx.Module):
     wo_a [g*o_lora_rank, H*hd/g] fp8 (kept as shipped; the reference's convert.py widens it to
     bf16, the same values), wo_b [dim, g*o_lora_rank] fp8, attn_sink f32 [H];
     compressor (kv sources) and indexer (index sources).
+    `f64_kernel` (off; set on the module to try it): float64 requests run the GPU kernel's
+    float64 program instead of the jnp reference (`sparse_attention.BlockSizes.f64_kernel`).
     """
 
     def __init__(self, layer_id: int, args: ModelArgs):
@@ -517,6 +520,7 @@ class Attention(nnx.Module):
         # sparse_attn's choices: implementation and precision
         self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
         self.accumulate = resolve_attn_accumulate(args.attn_accumulate)
+        self.f64_kernel = False  # set on the module to try the GPU kernel's float64 program
         self.is_index_source = args.is_index_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.is_candidate_source = args.is_candidate_source(layer_id)
@@ -543,6 +547,11 @@ class Attention(nnx.Module):
         )
         self.compressor = Compressor(layer_id, args) if self.role == "source" else None
         self.indexer = Indexer(layer_id, args) if self.is_index_source else None
+
+    def attn_block_sizes(self) -> SparseAttnBlockSizes | None:
+        """`sparse_attn`'s options: its defaults, with `f64_kernel` when set (float64 requests
+        then run the GPU kernel's float64 program instead of the jnp reference)."""
+        return SparseAttnBlockSizes(f64_kernel=True) if self.f64_kernel else None
 
     # ------------------------------------------------------------------ stages
 
@@ -664,7 +673,8 @@ class Attention(nnx.Module):
         """
         q, kv, idx, shared, aux = self.prefill_operands(x, shared, lengths)
         o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
-                        accumulate=self.accumulate, interpret=self.kernels_interpret)
+                        accumulate=self.accumulate, interpret=self.kernels_interpret,
+                        block_sizes=self.attn_block_sizes())
         cos, sin = self.rope(jnp.arange(x.shape[1]))
         return self.output(o, cos, sin), shared, aux
 
@@ -732,7 +742,8 @@ class Attention(nnx.Module):
             keys = jnp.concatenate([keys, rows.astype(kv.dtype)], axis=1)
             idx = jnp.concatenate([idx, jnp.where(topk >= 0, topk + offset, -1)], axis=-1)
         o = sparse_attn(q, keys, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
-                        accumulate=self.accumulate, interpret=self.kernels_interpret)
+                        accumulate=self.accumulate, interpret=self.kernels_interpret,
+                        block_sizes=self.attn_block_sizes())
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_chunk(self, x, qi, cos, sin, pos, start, lengths, shared: dict, cache: dict, aux: dict):
@@ -800,7 +811,8 @@ class Attention(nnx.Module):
             local = jnp.where(topk >= 0, self.window + jnp.arange(k, dtype=jnp.int32), -1)
             idx = jnp.concatenate([idx, local], axis=-1)
         o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
-                        accumulate=self.accumulate, interpret=self.kernels_interpret)
+                        accumulate=self.accumulate, interpret=self.kernels_interpret,
+                        block_sizes=self.attn_block_sizes())
         return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_decode(self, x: jax.Array, qi: jax.Array | None, cos: jax.Array, sin: jax.Array, pos: jax.Array,

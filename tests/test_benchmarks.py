@@ -56,18 +56,23 @@ def test_fast_paths_resolve_the_fold_as_the_loaders_do():
         assert model.args.fp4_scale_fold == ("on" if want else "off"), path
 
 
-def test_one_row_path_sets_every_routed_expert_module():
-    """`fast-onerow` is `fast` (same ModelArgs) with `one_row` on every Experts module, which
-    their kernel options carry; `fast` leaves it off."""
-    assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast"]
+def test_flag_paths_set_every_module_of_their_class():
+    """`fast-onerow` and `fast-f64k` are `fast` (same ModelArgs) with `one_row` on every Experts
+    module / `f64_kernel` on every Attention module, which their kernel options carry; `fast`
+    leaves both off."""
+    assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast-f64k"] == model_speed.PATHS["fast"]
     args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
     graphdef, state = model_speed.random_model(args)
     plain = nnx.merge(graphdef, state)
-    one = nnx.merge(*model_speed.with_one_row(graphdef, state))
+    one = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onerow"))
+    f64k = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-f64k"))
     for i in range(args.n_layers):
         assert plain.layers[i].ffn.experts.block_sizes().one_row is False
         assert one.layers[i].ffn.experts.block_sizes().one_row is True
         assert one.layers[i].ffn.experts.block_sizes().scale_fold is plain.layers[i].ffn.experts.scale_fold is True
+        assert plain.layers[i].attn.attn_block_sizes() is None and one.layers[i].attn.attn_block_sizes() is None
+        assert f64k.layers[i].attn.attn_block_sizes().f64_kernel is True
+        assert f64k.layers[i].ffn.experts.block_sizes().one_row is False
 
 
 def test_prefill_count_follows_the_positions_each_layer_runs_on():

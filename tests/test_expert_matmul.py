@@ -220,6 +220,56 @@ def test_one_row_gather_loads_no_padding_and_matches_tensor_core_tiles(monkeypat
     assert np.max(ulps(one, tc)) <= 2
 
 
+@pytest.mark.parametrize("one_row", [True, False])
+def test_k_splits_add_fp32_partials_in_split_order(one_row, monkeypatch):
+    """Interpret mode: K splits launch programs over equal runs of K blocks that write fp32
+    partials [k_splits, rows, N], added after the launch and rounded once: the oracle's bound
+    holds and the bits stay those of the unsplit kernel but for fp32 summation order; for tuple
+    weights too (one launch, two partials)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    n_exp, n, k, ids = GATHER_CASES["narrow_n_long_k"]
+    rng = np.random.default_rng(8)
+    x, w1, s1, w1_np, s1_np = make(rng, n_exp, n, k, len(ids))
+    _, w3, s3, w3_np, s3_np = make(rng, n_exp, n, k, len(ids))
+    e = jnp.asarray(ids, jnp.int32)
+    seen, real = [], kernel_gpu.expert_matmul
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append((kw["k_splits"], [(o.shape, o.dtype) for o in (out if isinstance(out, tuple) else (out,))]))
+        return out
+
+    monkeypatch.setattr(kernel_gpu, "expert_matmul", spy)
+    plain = api.BlockSizes(one_row=one_row, block_k=128, k_splits=1)
+    for splits in (2, 4):
+        bs = api.BlockSizes(one_row=one_row, block_k=128, k_splits=splits)
+        got = api.gather_matmul(x, (w1, w3), (s1, s3), e, implementation="pallas", interpret=True, block_sizes=bs)
+        want = api.gather_matmul(x, (w1, w3), (s1, s3), e, implementation="pallas", interpret=True,
+                                 block_sizes=plain)
+        rows = len(ids) + (0 if one_row else 15)
+        assert seen[-2] == (splits, [((splits, rows, n), jnp.float32)] * 2)
+        for g, wnt, w_np, s_np in zip(got, want, (w1_np, w3_np), (s1_np, s3_np)):
+            assert g.dtype == jnp.bfloat16 and g.shape == (len(ids), n)
+            check_oracle(g, x, np_dense(w_np, s_np)[np.asarray(ids)])
+            assert np.mean(ulps(g, wnt) == 0) >= 0.97 and np.max(ulps(g, wnt)) <= 2
+    with pytest.raises(NotImplementedError, match="k_splits=3 must divide the 4 K blocks"):
+        real(x, w1, s1, e, jnp.arange(len(ids), dtype=jnp.int32), jnp.ones((len(ids),), jnp.int32), rows=1,
+             block_n=16, block_k=128, num_warps=4, num_stages=3, interpret=True, k_splits=3)
+
+
+def test_one_row_k_splits_fill_the_waves():
+    """K splits default to 1 for tensor-core tiles; one-row programs take the fp8 kernel's wave
+    rule: the one-token decode's six pairs give w1 + w3 (216 programs of 64 columns, 10 K blocks)
+    2 splits and w2 (480 programs) none; eight tokens (48 pairs, 1728 programs) none."""
+    one = api.BlockSizes(one_row=True)
+    assert one.resolved(1, 2304, 5120, tiles=6).k_splits == 2
+    assert one.resolved(1, 5120, 2304, tiles=6).k_splits == 1
+    assert one.resolved(1, 2304, 5120, tiles=48).k_splits == 1
+    assert api.BlockSizes().resolved(16, 2304, 5120, tiles=6).k_splits == 1
+    assert api.BlockSizes(one_row=True, k_splits=5).resolved(1, 2304, 5120, tiles=6).k_splits == 5
+
+
 def test_concat_k_puts_code_position_j_at_columns_j_kw():
     """`_concat_k` of the 8 code-position arrays [bn, kw] is their concatenation along K, the
     order of x's permuted columns (code j of word c at column j*kw + c)."""
@@ -272,6 +322,12 @@ class TestKernelGPUOneDot(TestKernelGPU):
 @needs_gpu
 class TestKernelGPUOneRow(TestKernelGPU):
     block_sizes = api.BlockSizes(one_row=True)
+
+
+@needs_gpu
+class TestKernelGPUOneRowSplit(TestKernelGPU):
+    # two K splits where the K blocks allow (256 and 512), else the reference (with a warning)
+    block_sizes = api.BlockSizes(one_row=True, block_k=128, k_splits=2)
 
 
 @needs_gpu
@@ -380,6 +436,21 @@ def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows):
     assert "expert_matmul_fp4" in text
     assert text.count("mul.rn.bf16x2") == (0 if decode != "pairs" else 8 if scale_fold else 16)
     assert ("dot" in text) == (rows == 16), rows
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_split_kernel_lowers_to_triton_for_cuda(rows):
+    """K splits lower for CUDA: a three-axis grid whose programs store fp32 partials."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 16)
+    te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [rows]))
+    f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=rows, block_n=64, block_k=128,
+                                                 num_warps=4, num_stages=3, interpret=False, decode="pairs",
+                                                 scale_fold=True, k_splits=2)
+    lowered = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",))
+    assert lowered.out_info.shape == (2, 16, 64) and lowered.out_info.dtype == jnp.float32
+    assert "expert_matmul_fp4" in lowered.as_text()
 
 
 @needs_gpu

@@ -8,6 +8,7 @@ length of the reduction. The compiled-GPU classes are marked `gpu` and skip with
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -397,6 +398,73 @@ class TestAttnTpuInterpret(AttnBase):
     implementation, target, interpret, accumulate = "pallas", "tpu", True, "f32"
     block_sizes = attn_api.BlockSizes(block_k=16)
     ATTN_CASES = ("window_not_full", "rows_all_minus_one", "odd_tokens_and_heads")
+    extras = False
+
+
+class F64KernelBase(AttnBase):
+    """The GPU kernel's float64 program (`BlockSizes.f64_kernel`): within the oracle's bound and
+    bit for bit the float64 reference's outputs (both round an f64 result, which differ by f64
+    operation order alone, ~1e-16 relative)."""
+    implementation, target, accumulate = "pallas", "gpu", "f64"
+    block_sizes = attn_api.BlockSizes(f64_kernel=True)
+
+    def test_bits_equal_the_float64_reference(self, attn_case, caplog):
+        q, kv, sink, idx, scale = attn_inputs(attn_case, seed=1)
+        with caplog.at_level(logging.INFO):
+            got = self.attend(q, kv, sink, idx, scale)
+        assert "using the reference" not in caplog.text
+        want = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="reference")
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+class TestAttnGpuInterpretF64(F64KernelBase):
+    interpret = True
+    extras = False
+
+
+class TestAttnGpuInterpretF64SplitsAndColumnBlocks(F64KernelBase):
+    interpret = True
+    block_sizes = attn_api.BlockSizes(f64_kernel=True, block_k=16, block_d=16, num_splits=3)
+    ATTN_CASES = ("window_not_full", "rows_all_minus_one", "huge_logits_and_sinks", "batch_with_repeats")
+    extras = False
+
+
+def test_f64_kernel_tiles_and_its_tpu_request():
+    """The float64 program's default tiles (16 heads, all columns, 16-slot steps, 8 warps; index
+    splits filling the SMs at decode); on a TPU target the request stays the logged reference."""
+    bs = attn_api.BlockSizes(f64_kernel=True).resolved("gpu", 1, 512, 640, 64, f64=True)
+    assert (bs.block_h, bs.block_d, bs.block_k, bs.num_warps, bs.num_splits) == (16, 512, 16, 8, 33)
+    assert attn_api.BlockSizes(f64_kernel=True).resolved("gpu", 64, 512, 640, 64, f64=True).num_splits == 1
+    q, kv, sink, idx, scale = attn_inputs("window_not_full")
+    got = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="pallas", target="tpu", interpret=True,
+                               block_sizes=attn_api.BlockSizes(f64_kernel=True))
+    want = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_f64_kernel_lowers_to_triton_for_cuda(splits):
+    """The float64 program lowers for CUDA without a GPU (64-bit types on inside the call only)."""
+    from pallas_kernels.sparse_attention import kernel_gpu
+
+    q, kv, sink, idx, scale = attn_inputs("released_decode")
+    f = functools.partial(kernel_gpu.sparse_attn, scale=scale, block_k=16, block_d=512, block_h=16,
+                          num_splits=splits, num_warps=8, num_stages=2, split_probs=True, interpret=False, f64=True)
+    text = jax.jit(f).trace(q, kv, sink, idx).lower(lowering_platforms=("cuda",)).as_text()
+    assert "sparse_attn_f64" in text
+    assert not jax.config.jax_enable_x64
+
+
+@pytest.mark.gpu
+@needs_gpu
+class TestAttnGpuF64(F64KernelBase):
+    extras = False
+
+
+@pytest.mark.gpu
+@needs_gpu
+class TestAttnGpuF64Splits(F64KernelBase):
+    block_sizes = attn_api.BlockSizes(f64_kernel=True, num_splits=4, block_k=32)
     extras = False
 
 

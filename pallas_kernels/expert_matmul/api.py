@@ -28,14 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from dsv41_jax.numerics import to_bf16
 from pallas_kernels._dispatch import gpu_kernel, split_batch
 from pallas_kernels._triton import fit_block
 from pallas_kernels.expert_matmul import kernel_gpu
 from pallas_kernels.expert_matmul import reference as _ref
+from pallas_kernels.fp8_matmul.api import split_for_waves
 
 logger = logging.getLogger(__name__)
 
 Implementation = Literal["auto", "reference", "pallas"]
+# one-row K splits: the dense fp8 kernel's rule (two programs per SM of an H100/H200, waves at
+# least 70% full)
+TARGET_PROGRAMS, MIN_WAVE_FILL = 264, 0.7
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -79,6 +84,13 @@ class BlockSizes:
       Compiled without a GPU (benchmarks/triton_sass.py) its K loop has no MMA, no spills and fewer
       registers, but more instructions a code (5.9 against 4.6 for w1 + w3 with the fold); not yet
       timed on a GPU, hence off.
+    k_splits: programs sharing one output block's K range (fp32 partials [k_splits, rows, N],
+      added in split order and rounded to bf16 once by a small XLA reduction after the launch);
+      more programs in flight for launches of under two waves (the one-token decode's w1 + w3 is
+      216 programs of 64 columns on 132 SMs). Same products, fp32 sums in another order. None:
+      1 for tensor-core tiles; for one-row programs the dense fp8 kernel's rule
+      (`fp8_matmul.api.split_for_waves`: the fewest splits giving >= 264 programs whose waves
+      are >= 70% full; 2 for the one-token w1 + w3, 1 for its w2 of 480 programs).
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
@@ -103,8 +115,11 @@ class BlockSizes:
     one_dot: bool = False
     scale_fold: bool = False
     one_row: bool = False
+    k_splits: int | None = None
 
-    def resolved(self, rows: int, n: int, k: int, interpret: bool = False) -> BlockSizes:
+    def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 0) -> BlockSizes:
+        """Tiles for `tiles` tiles of `rows` rows times [n, k] matrices (`tiles` only sets one-row
+        K splits; 0: unknown, no split)."""
         # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
         # MMA tiles. Defaults halve until they divide the shape (the kernel rejects what still
         # does not).
@@ -113,14 +128,20 @@ class BlockSizes:
         num_stages = self.num_stages or (3 if rows <= 16 else 2)
         decode = self.decode or ("select" if interpret else "pairs")
         fuse = rows <= 16 if self.fuse is None else self.fuse
+        k_splits = self.k_splits
+        if k_splits is None:
+            k_splits = 1
+            if rows == 1 and tiles:
+                k_splits = split_for_waves(tiles * (n // block_n), max(k // block_k, 1), TARGET_PROGRAMS,
+                                           MIN_WAVE_FILL)
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
-                                   fuse=fuse, one_dot=self.one_dot and rows > 1)
+                                   fuse=fuse, one_dot=self.one_dot and rows > 1, k_splits=k_splits)
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
         return {"block_n": self.block_n, "block_k": self.block_k, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot,
-                "scale_fold": self.scale_fold}
+                "scale_fold": self.scale_fold, "k_splits": self.k_splits}
 
 
 def _many(w, s) -> bool:
@@ -154,11 +175,15 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
     shape the kernel refuses); callers check `gpu_kernel` first."""
     many = _many(w, s)
     w0 = w[0] if many else w
-    bs = (block_sizes or BlockSizes()).resolved(rows, w0.shape[1], x.shape[1], interpret)
+    bs = (block_sizes or BlockSizes()).resolved(rows, w0.shape[1], x.shape[1], interpret, tiles=te.shape[0])
 
     def call(w, s):
-        return kernel_gpu.expert_matmul(x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows,
-                                        interpret=interpret, **bs.kernel_args())
+        out = kernel_gpu.expert_matmul(x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows,
+                                       interpret=interpret, **bs.kernel_args())
+        if bs.k_splits == 1:
+            return out
+        return tuple(to_bf16(jnp.sum(o, axis=0)) for o in out) if isinstance(out, tuple) else to_bf16(
+            jnp.sum(out, axis=0))
 
     try:
         if many and not bs.fuse:

@@ -146,14 +146,16 @@ def _concat_k(parts: list) -> jax.Array:
 
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
-            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool):
+            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool, split: bool):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
-    # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16 (this program writes rows [row0, row0 +
-    # valid) x [n0, n0 + block_n) of each)
+    # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16, or [k_splits, M, N] fp32 when split
+    # (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n) of each, K blocks
+    # [ks * n_kblocks, (ks + 1) * n_kblocks) when split)
     w_refs, s_refs, o_refs = refs[:g], refs[g:2 * g], refs[2 * g:]
     t = pl.program_id(0)
     n0 = pl.program_id(1) * block_n
+    ks_id = pl.program_id(2)
     e = te_ref[t]
     row0 = row0_ref[t]
     valid = valid_ref[t]
@@ -187,7 +189,8 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
 
     @pl.when(valid > 0)
     def _():
-        def body(jb, accs):
+        def body(step, accs):
+            jb = ks_id * n_kblocks + step
             if one_dot:  # the step's x columns at once: code j of word c is column j*kw + c
                 xb = x_cols(jb * block_k, block_k)
             else:  # code j of every word: x columns j*kw + c
@@ -217,15 +220,20 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
         cols = pl.ds(n0, block_n)
         for o_ref, acc in zip(o_refs, accs):
-            plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
+            if split:
+                plgpu.store(o_ref.at[ks_id, pl.ds(row0, rows), cols], acc, mask=r < valid)
+            else:
+                plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
 
 
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
                   num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False,
-                  one_dot: bool = False, scale_fold: bool = False):
+                  one_dot: bool = False, scale_fold: bool = False, k_splits: int = 1):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
-    tile_* int32 [T] -> bf16 [M, N]. Rows no tile covers are left unwritten (undefined).
+    tile_* int32 [T] -> bf16 [M, N], or with k_splits > 1 fp32 partial sums [k_splits, M, N]
+    (program (t, j, ks) sums the ks-th of k_splits equal runs of K blocks; the caller adds the
+    partials in split order). Rows no tile covers are left unwritten (undefined).
 
     w and s may also be tuples of G such matrices (the same shape: an expert's w1 and w3): then
     one launch computes all G products of the same rows, each program loading its x columns once
@@ -271,7 +279,9 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
         raise NotImplementedError(f"block_n must be a power of 2 >= 16 dividing {n=}, got {block_n=}")
     if not is_pow2(block_k) or block_k < 128 or k % block_k:
         raise NotImplementedError(f"block_k must be a power of 2 >= 128 dividing {k=}, got {block_k=}")
-    if max(n_exp * n * (k // 8), m * max(k, n)) >= 2**31:
+    if k_splits < 1 or (k // block_k) % k_splits:
+        raise NotImplementedError(f"k_splits={k_splits} must divide the {k // block_k} K blocks")
+    if max(n_exp * n * (k // 8), m * max(k, n * k_splits)) >= 2**31:
         raise NotImplementedError(f"operands too large for int32 element offsets ({ws[0].shape=}, {x.shape=})")
     smem = num_stages * (rows * block_k * 2 + g * (block_n * block_k // 2 + block_n * block_k // 32))
     if smem > SMEM_LIMIT:
@@ -284,17 +294,19 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     # within each K block, column 8c + j moves to j * kw + c (code j of word c)
     xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
     t = tile_expert.shape[0]
-    kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k, n_kblocks=k // block_k,
-                               decode=decode, mask_x=mask_x, one_dot=one_dot,
-                               scale_fold=scale_fold and decode == "pairs")
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    split = k_splits > 1
+    kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k,
+                               n_kblocks=k // block_k // k_splits, decode=decode, mask_x=mask_x, one_dot=one_dot,
+                               scale_fold=scale_fold and decode == "pairs", split=split)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
+    o_shape = (k_splits, m, n) if split else (m, n)
     out = pl.pallas_call(
         kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(g)),
-        grid=(t, n // block_n),
+        out_shape=tuple(jax.ShapeDtypeStruct(o_shape, jnp.float32 if split else jnp.bfloat16) for _ in range(g)),
+        grid=(t, n // block_n, k_splits),
         in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k))] + [whole((n_exp, n, k // 8))] * g
         + [whole((n_exp, n, k // 32))] * g,
-        out_specs=tuple(whole((m, n)) for _ in range(g)),
+        out_specs=tuple(whole(o_shape) for _ in range(g)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="expert_matmul_fp4" if g == 1 else f"expert_matmul_fp4_x{g}",

@@ -7,12 +7,12 @@ the shape and the reason; bad arguments raise ValueError first. Gradients come f
 math in f32 (custom VJP). On a mesh that splits `data` the kernel runs per batch shard
 (`_dispatch.split_batch`).
 
-`accumulate` is the precision: "f64" (the default) is the float64 oracle's rounding, which only
-the reference computes: the kernels are f32 (an f32-accurate result rounds 0.04-0.2% of outputs to
-the other bf16 neighbour, and on the golden sets such flips, amplified by the next fp8
-quantisation and by routing, break block parity), so a float64 request on the kernel path falls
-back to the reference with a logged note. "f32" runs the kernels (`BlockSizes.split_probs`); see
-benchmarks/README.md for cost and error of each. The model passes `ModelArgs.attn_accumulate`
+`accumulate` is the precision: "f64" (the default) is the float64 oracle's rounding (an
+f32-accurate result rounds 0.04-0.2% of outputs to the other bf16 neighbour, and on the golden
+sets such flips, amplified by the next fp8 quantisation and by routing, break block parity). On
+the kernel path a float64 request runs the reference (with a logged note), or the GPU kernel's
+float64 program with `BlockSizes.f64_kernel` (TPUs have no float64). "f32" runs the f32 kernels
+(`BlockSizes.split_probs`); see benchmarks/README.md for cost and error of each. The model passes `ModelArgs.attn_accumulate`
 ("auto": "f64" except on TPU, which has no float64, "f32" there;
 `dsv41_jax.attention.resolve_attn_accumulate`).
 """
@@ -60,6 +60,10 @@ class BlockSizes:
       differently from the float64 oracle) rather than one bf16 rounding of p (34-36% differ by
       an ulp; with its own tiles, all heads per program, 68.8 us at decode B=64 against 53.9 for
       the default mode, benchmarks/README.md).
+    f64_kernel: float64 requests (`accumulate="f64"`) run the GPU kernel's float64 program
+      (kernel_gpu's docstring) instead of the jnp reference. Tiles: 16 heads, all columns,
+      16-slot steps, 8 warps (232 registers, no spills in sm_90 SASS; 4 warps spill); index
+      splits as for f32.
     """
     block_k: int | None = None
     block_d: int | None = None
@@ -68,11 +72,17 @@ class BlockSizes:
     num_warps: int | None = None
     num_stages: int = 2
     split_probs: bool = True
+    f64_kernel: bool = False
 
-    def resolved(self, target: Target, rows: int, d: int, k: int, h: int = 64) -> BlockSizes:
+    def resolved(self, target: Target, rows: int, d: int, k: int, h: int = 64, f64: bool = False) -> BlockSizes:
         hp = max(16, pl.next_power_of_2(h))
         num_warps = self.num_warps
-        if target == "gpu" and self.split_probs:
+        if target == "gpu" and f64:
+            block_k = self.block_k or 16
+            block_d = min(self.block_d or d, d)
+            block_h = min(self.block_h or 16, hp)
+            num_warps = num_warps or 8
+        elif target == "gpu" and self.split_probs:
             # head blocks shrink the [heads, d] f32 accumulator instead of splitting the columns
             # (which recomputes the logits): 16 heads x 512 at 4 warps for decode, 32 heads at 8
             # warps once there are enough rows; 64-slot steps from 64 rows up, 32 below (short
@@ -119,19 +129,20 @@ def _validate(q, kv, attn_sink, idx, scale):
         raise TypeError(f"scale must be a python float (static), got {type(scale)=}")
 
 
-def _run_kernel(q, kv, attn_sink, idx, *, scale, target, bs, interpret):
+def _run_kernel(q, kv, attn_sink, idx, *, scale, target, bs, interpret, f64=False):
     if target == "gpu":
         return kernel_gpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, block_d=bs.block_d,
                                       block_h=bs.block_h, num_splits=bs.num_splits, num_warps=bs.num_warps,
-                                      num_stages=bs.num_stages, split_probs=bs.split_probs, interpret=interpret)
+                                      num_stages=bs.num_stages, split_probs=bs.split_probs, interpret=interpret,
+                                      f64=f64)
     return kernel_tpu.sparse_attn(q, kv, attn_sink, idx, scale, block_k=bs.block_k, split_probs=bs.split_probs,
                                   interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attn(q, kv, attn_sink, idx, config):
-    scale, target, bs, interpret = config
-    return _run_kernel(q, kv, attn_sink, idx, scale=scale, target=target, bs=bs, interpret=interpret)
+    scale, target, bs, interpret, f64 = config
+    return _run_kernel(q, kv, attn_sink, idx, scale=scale, target=target, bs=bs, interpret=interpret, f64=f64)
 
 
 def _attn_fwd(q, kv, attn_sink, idx, config):
@@ -156,9 +167,10 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
     kv, -1 = skip); scale: python float on q.kv (not on the sink) -> bf16 [b, m, h, d].
     out = sum_t e^{l_t} kv[t] / (sum_t e^{l_t} + e^{sink_h}); a row with no valid index gives 0.
 
-    accumulate: "f64" (the oracle's rounding: always the reference, logged when a kernel was
-    asked for) or "f32" (the kernels' f32 online softmax on the tensor cores, see kernel_gpu for
-    the error budget; the reference in f32 where no kernel runs).
+    accumulate: "f64" (the oracle's rounding: the reference, logged when a kernel was asked for,
+    or the GPU kernel's float64 program with `block_sizes.f64_kernel`) or "f32" (the kernels' f32
+    online softmax on the tensor cores, see kernel_gpu for the error budget; the reference in f32
+    where no kernel runs).
     target: which kernel ("gpu" Triton, "tpu" Mosaic), default from the backend (GPU on CPU, for
     interpret runs).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
@@ -173,7 +185,8 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
 
     if not use_kernel:
         return reference(q, kv, attn_sink, idx)
-    if accumulate == "f64":
+    f64 = accumulate == "f64"
+    if f64 and not (target == "gpu" and (block_sizes or BlockSizes()).f64_kernel):
         # "auto" meets this on every GPU/TPU trace of the model (its default): a note, not a warning
         logger.log(logging.INFO if implementation == "auto" else logging.WARNING,
                    "sparse_attn: the %s kernel computes in f32, float64 rounding was asked for (q %s); "
@@ -182,12 +195,12 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
 
     def kernel(q, kv, attn_sink, idx):  # per data shard on a mesh (split_batch)
         b, m, h, d = q.shape
-        bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1], h)
-        config = (float(scale), target, bs, interpret)
+        bs = (block_sizes or BlockSizes()).resolved(target, b * m, d, idx.shape[-1], h, f64=f64)
+        config = (float(scale), target, bs, interpret, f64)
         try:
             # trace once here so an unsupported case surfaces (and falls back) outside custom_vjp
             jax.eval_shape(functools.partial(_run_kernel, scale=float(scale), target=target, bs=bs,
-                                             interpret=interpret), q, kv, attn_sink, idx)
+                                             interpret=interpret, f64=f64), q, kv, attn_sink, idx)
         except NotImplementedError as e:
             logger.warning("sparse_attn: %s kernel does not handle q %s kv %s idx %s (%s); using the reference",
                            target, q.shape, kv.shape, idx.shape, e)

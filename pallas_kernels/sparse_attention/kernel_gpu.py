@@ -7,8 +7,7 @@ p [block_h, block_k] x kv -> [block_h, block_d]. Head blocks below all heads re-
 gathered rows (from L2 when the programs of one query run together) without recomputing anything;
 column blocks below head_dim recompute the logits.
 
-Numerics (stated against the float64 oracle `reference.sparse_attn`; the kernel is f32 only, the
-api sends float64 requests to the reference):
+Numerics of the f32 program (stated against the float64 oracle `reference.sparse_attn`):
 * logits: bf16 x bf16 products are exact; the d-long sums accumulate in f32.
 * online softmax in f32, the running max starting at the head's sink logit (so it equals the
   oracle's max(logits, sink) and never meets -inf); the sink enters the denominator once, at the end.
@@ -19,10 +18,19 @@ api sends float64 requests to the reference):
 * the final division is IEEE round-to-nearest (`div.rn.f32`), then one rounding to bf16.
 With several index splits the kernel writes f32 partials (acc, running max, sum) and a small XLA
 combine rescales and adds them in f32.
+
+The float64 program (`f64`): the oracle's arithmetic in the oracle's precision. q and the
+gathered rows are widened to f64 (exact), both products run on the f64 tensor cores (DMMA), the
+online softmax, the sink and the division (IEEE) are f64, and the result is rounded to f32 and
+then to bf16, the reference's conversion path. It differs from the oracle only in the order of
+f64 operations (the online max rescaling, the summation order): ~1e-16 relative, so an output
+rounds to another bf16 value only where the f64 result lies within that of a rounding boundary
+of f32 or bf16. Split partials are f64, combined in f64.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -52,12 +60,16 @@ def _round_bf16_f32(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: int, n_blocks: int,
-            block_d: int, n_col: int, finalize: bool, split_probs: bool, interpret: bool):
+            block_d: int, n_col: int, finalize: bool, split_probs: bool, f64: bool, interpret: bool):
     # idx_ref [ks] int32 (this split's slots); q_ref [block_h, d] bf16; kv_ref [n, d] bf16;
     # sink_ref [block_h] f32. finalize: out_refs = (o_ref [block_h, block_d] bf16,)
-    # else: out_refs = (acc_ref [block_h, block_d] f32, m_ref [block_h] f32, l_ref [block_h] f32)
+    # else: out_refs = (acc_ref [block_h, block_d], m_ref [block_h], l_ref [block_h]) in f32 (f64)
     h, d = q_ref.shape
     d0 = (pl.program_id(2) % n_col) * block_d
+    if f64:
+        _f64_body(idx_ref, q_ref, kv_ref, sink_ref, out_refs, scale=scale, block_k=block_k, n_blocks=n_blocks,
+                  block_d=block_d, d0=d0, finalize=finalize, interpret=interpret)
+        return
     q = q_ref[...]
     sink = sink_ref[...]
     dims = (((1,), (1,)), ((), ()))
@@ -96,6 +108,46 @@ def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: 
         l_ref[...] = l_i
 
 
+def _f64_body(idx_ref, q_ref, kv_ref, sink_ref, out_refs, *, scale, block_k, n_blocks, block_d, d0, finalize,
+              interpret):
+    """The float64 program: q and the gathered rows widened to f64 (exact), both products on the
+    f64 tensor cores (DMMA), the online softmax, the sink and the division in f64; the result
+    rounded to f32 and then to bf16, the reference's conversion path."""
+    h, d = q_ref.shape
+    f64 = jnp.float64
+    q = q_ref[...].astype(f64)
+    sink = sink_ref[...].astype(f64)
+    dims = (((1,), (1,)), ((), ()))
+
+    def body(j, carry):
+        m_i, l_i, acc = carry
+        ids = idx_ref[pl.ds(j * block_k, block_k)]
+        valid = ids >= 0
+        rows = jnp.where(valid, ids, 0)
+        k = kv_ref[rows, :]
+        s = jax.lax.dot_general(q, k.astype(f64), dims, preferred_element_type=f64) * jnp.asarray(scale, f64)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # >= sink: finite
+        alpha = jnp.exp(m_i - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        v = k if block_d == d else kv_ref[rows, pl.ds(d0, block_d)]
+        pv = jnp.dot(p, v.astype(f64), preferred_element_type=f64)
+        return m_new, l_i * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    init = (sink, jnp.zeros((h,), f64), jnp.zeros((h, block_d), f64))
+    m_i, l_i, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    if finalize:
+        (o_ref,) = out_refs
+        den = l_i + jnp.exp(sink - m_i)
+        out = (acc / den[:, None]).astype(jnp.float32)  # div.rn.f64, then the reference's f64 -> f32
+        o_ref[...] = _round_bf16_f32(out, interpret).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m_i
+        l_ref[...] = l_i
+
+
 def _combine(acc, m, l, sink):
     """acc [r, s, h, d], m/l [r, s, h] (each split's max starts at the sink), sink [h] -> bf16 [r, h, d]."""
     mx = jnp.max(m, axis=1)  # [r, h]
@@ -104,16 +156,17 @@ def _combine(acc, m, l, sink):
     den = jnp.sum(l * w, axis=1) + jnp.exp(sink[None, :] - mx)
     # the barrier keeps XLA from turning the broadcast division into a reciprocal multiply
     out = num / jax.lax.optimization_barrier(jnp.broadcast_to(den[..., None], num.shape))
-    return jax.lax.reduce_precision(out, exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
+    return jax.lax.reduce_precision(out.astype(jnp.float32), exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
 
 
 def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Array, scale: float, *,
                 block_k: int, block_d: int, block_h: int, num_splits: int, num_warps: int, num_stages: int,
-                split_probs: bool, interpret: bool) -> jax.Array:
+                split_probs: bool, interpret: bool, f64: bool = False) -> jax.Array:
     """q bf16 [b, m, h, d]; kv bf16 [b, n, d]; attn_sink f32 [h]; idx int32 [b, m, k] -> bf16 [b, m, h, d].
 
     block_h: heads per program (a power of 2 >= 16; the heads are padded to a power of 2 >= 16,
     block_h is clipped to that). split_probs: p.V from two bf16 terms of p (module doc).
+    f64: the float64 program (module doc; split_probs ignored); traced with 64-bit types on.
     Raises NotImplementedError for shapes the Triton lowering cannot take (the caller falls back)."""
     b, m, h, d = q.shape
     n, k = kv.shape[1], idx.shape[-1]
@@ -162,18 +215,20 @@ def sparse_attn(q: jax.Array, kv: jax.Array, attn_sink: jax.Array, idx: jax.Arra
         out_shape = jax.ShapeDtypeStruct((rows, hp, d), jnp.bfloat16)
         out_specs = pl.BlockSpec((None, block_h, block_d), lambda r, s, g: (r, g // n_col, g % n_col))
     else:
-        out_shape = (jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
-                     jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32))
+        part = jnp.float64 if f64 else jnp.float32
+        out_shape = (jax.ShapeDtypeStruct((rows, num_splits, hp, d), part),
+                     jax.ShapeDtypeStruct((rows, num_splits, hp), part),
+                     jax.ShapeDtypeStruct((rows, num_splits, hp), part))
         out_specs = (pl.BlockSpec((None, None, block_h, block_d), lambda r, s, g: (r, s, g // n_col, g % n_col)),
                      pl.BlockSpec((None, None, block_h), lambda r, s, g: (r, s, g // n_col)),
                      pl.BlockSpec((None, None, block_h), lambda r, s, g: (r, s, g // n_col)))
     kernel = functools.partial(_kernel, scale=float(scale), block_k=block_k, n_blocks=n_blocks, block_d=block_d,
-                               n_col=n_col, finalize=finalize, split_probs=split_probs, interpret=interpret)
-    out = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="sparse_attn")(idx3, q3, kv, attn_sink.astype(jnp.float32))
-    if not finalize:
-        out = _combine(*out, attn_sink.astype(jnp.float32))
+                               n_col=n_col, finalize=finalize, split_probs=split_probs, f64=f64, interpret=interpret)
+    with jax.enable_x64(True) if f64 else contextlib.nullcontext():
+        out = pl.pallas_call(
+            kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            name="sparse_attn_f64" if f64 else "sparse_attn")(idx3, q3, kv, attn_sink.astype(jnp.float32))
+        if not finalize:
+            out = _combine(*out, attn_sink.astype(out[0].dtype))
     return out.reshape(b, m, hp, d)[:, :, :h]
