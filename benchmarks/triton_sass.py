@@ -266,6 +266,40 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
             "top_ops": dict(list(ops.items())[:12])}
 
 
+def attention_f64_row(rows: int, **overrides) -> dict:
+    """The sparse attention's float64 program (`sparse_attention.BlockSizes.f64_kernel`) at the
+    released shape (64 heads x 512, 640 listed slots) for `rows` query rows, at its default tiles
+    with `overrides`: the K loop's DMMAs a warp against those its tile needs (the logits' and
+    p.V's 8x8x4 f64 MMAs of a step shared out over the warps; more means warps repeat work)."""
+    import functools
+
+    from pallas_kernels.sparse_attention import api, kernel_gpu
+
+    h, d, k = 64, 512, 640
+    bs = dataclasses_replace(api.BlockSizes(f64_kernel=True).resolved("gpu", rows, d, k, h, f64=True), overrides)
+    kw = {"block_k": bs.block_k, "block_d": bs.block_d, "block_h": bs.block_h, "num_splits": bs.num_splits,
+          "num_warps": bs.num_warps, "num_stages": bs.num_stages}
+    f = functools.partial(kernel_gpu.sparse_attn, scale=d ** -0.5, split_probs=True, interpret=False, f64=True, **kw)
+    irs = triton_ir(f, jnp.zeros((rows, 1, h, d), jnp.bfloat16), jnp.zeros((rows, 4096, d), jnp.bfloat16),
+                    jnp.zeros((h,), jnp.float32), jnp.zeros((rows, 1, k), jnp.int32))
+    sass, usage = compile_sass(irs[0], bs.num_warps, bs.num_stages)
+    try:
+        ops, looped = loop_stats(sass)["ops"], True
+    except ValueError:  # one step a split: the loop is unrolled away, count the whole kernel
+        ops, looped = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m), False
+    needed = (bs.block_h * bs.block_k * d + bs.block_h * bs.block_k * bs.block_d) / 256 / bs.num_warps
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return {"rows": rows, "kernel": kw, "loop": looped, "dmma_per_warp": _count(ops, "DMMA"), "dmma_needed_per_warp": needed,
+            "spill_ops": _count(ops, "STL", "LDL"), "registers": int(regs.group(1)) if regs else None,
+            "stack_bytes": int(stack.group(1)) if stack else None}
+
+
+def dataclasses_replace(obj, overrides: dict):
+    import dataclasses
+
+    return dataclasses.replace(obj, **overrides)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.triton_sass", description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="[{}]", help="JSON list of kernel keyword overrides ({} = the defaults)")
@@ -274,10 +308,14 @@ def main(argv=None) -> int:
                    help="also compile each variant with the accumulator moved into its dots (fuse_dot_add)")
     p.add_argument("--ptx", default=None, help="instead: a PTX module (a device's dump) whose kernels to count")
     p.add_argument("--function", default="expert_matmul", help="with --ptx: a regex the kernels' names match")
+    p.add_argument("--attention-f64", default=None,
+                   help='instead: the float64 attention program, a JSON list of {"rows": R, tile overrides}')
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     if ns.ptx:
         return _ptx_main(p, ns)
+    if ns.attention_f64:
+        return _attention_main(ns)
     try:
         variants = json.loads(ns.variants)
         if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
@@ -311,6 +349,26 @@ def main(argv=None) -> int:
                   f"{r['instructions_per_code']:.2f} | {r['alu_per_code']:.2f} | {r['moves_per_code']:.2f} | {mma} | "
                   f"{r['sts']} | {r['spill_ops']} | {r['registers']} | {r['stack_bytes']} | "
                   f"{r['issue_bound']['weights_tb_s']:.2f}, {r['issue_bound']['mma_tflop_s']:.0f} |", flush=True)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
+    return 0
+
+
+def _attention_main(ns) -> int:
+    rows = []
+    print("| rows | tiles | DMMA / warp / step | needed | spill ops | regs | stack B |")
+    print("|" + " --- |" * 7)
+    for v in json.loads(ns.attention_f64):
+        v = dict(v)
+        try:
+            r = attention_f64_row(v.pop("rows", 1), **v)
+        except NotImplementedError as e:
+            rows.append({"variant": v, "error": str(e)})
+            print(f"| {v} | refused: {e} |", flush=True)
+            continue
+        rows.append(r)
+        print(f"| {r['rows']} | {r['kernel']} | {r['dmma_per_warp']} | {r['dmma_needed_per_warp']:.0f} | "
+              f"{r['spill_ops']} | {r['registers']} | {r['stack_bytes']} |", flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
     return 0

@@ -494,6 +494,20 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     assert one["top_ops"].get("FFMA", 0) == one["codes_per_thread"], one
 
 
+def test_triton_sass_counts_the_float64_attention_program():
+    """With the triton package: the float64 attention program multiplies on the f64 tensor
+    cores (DMMA); its 64-row default tile (64-slot steps, 8 warps) issues exactly the DMMAs the
+    step needs, 16-slot steps repeat the logits' MMAs across warps."""
+    pytest.importorskip("triton")
+    from benchmarks import triton_sass
+
+    big = triton_sass.attention_f64_row(64)
+    assert big["kernel"]["block_k"] == 64 and big["loop"]
+    assert big["dmma_per_warp"] == big["dmma_needed_per_warp"] == 512, big
+    small = triton_sass.attention_f64_row(64, block_k=16)
+    assert small["dmma_per_warp"] > 2 * small["dmma_needed_per_warp"] and small["spill_ops"] == 0, small
+
+
 def test_default_expert_variants_are_block_size_fields():
     from pallas_kernels.expert_matmul import api
 
