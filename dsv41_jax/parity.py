@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.attention import previous_call_index_k_owner
+from dsv41_jax.attention import Attention, previous_call_index_k_owner
 from dsv41_jax.cache import init_cache
 from dsv41_jax.checkpoint import CheckpointError
 from dsv41_jax.config import ModelArgs
@@ -407,14 +407,20 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
 
 
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "auto") -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               fp4_scale_fold: str = "auto",
+               attn_f64_kernel: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
-    `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields.
+    `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `attn_f64_kernel`: set
+    `Attention.f64_kernel` on every layer (float64 attention on the GPU kernel's float64 program).
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
     model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, fp4_scale_fold=fp4_scale_fold)
+    if attn_f64_kernel:
+        for _, m in nnx.iter_graph(model):
+            if isinstance(m, Attention):
+                m.f64_kernel = True
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -456,6 +462,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
+    p.add_argument("--attn-f64-kernel", action="store_true",
+                   help="Attention.f64_kernel: float64 attention on the GPU kernel's float64 program instead of "
+                        "the jnp reference (GPU only; elsewhere the reference runs as before)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -465,7 +474,8 @@ def main(argv=None) -> int:
         return 2
     try:
         port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only,
-                                              attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold)
+                                              attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold,
+                                              attn_f64_kernel=ns.attn_f64_kernel)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -468,6 +468,28 @@ def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
             parity.main([golden, *bad])
 
 
+def test_parity_cli_sets_the_float64_attention_kernel_on_every_layer(monkeypatch):
+    """`--attn-f64-kernel` sets `Attention.f64_kernel` on every layer of the loaded model before
+    anything runs (without it, none is set)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def prefill(model, gs):
+        seen.append([model.layers[i].attn.attn_block_sizes() for i in range(len(model.layers))])
+        raise Stop
+
+    monkeypatch.setattr(parity, "teacher_forced_prefill", prefill)
+    golden = str(DATA / "golden" / "tiny-a")
+    for flag in ([], ["--attn-f64-kernel"]):
+        with pytest.raises(Stop):
+            parity.main([golden, "--prefill-only", *flag])
+    plain, f64k = seen
+    assert plain and all(bs is None for bs in plain)
+    assert len(f64k) == len(plain) and all(bs.f64_kernel for bs in f64k)
+
+
 def test_parity_cli_reports_a_scale_fold_the_checkpoint_refuses(monkeypatch, capsys):
     """`--fp4-scale-fold on` on a checkpoint with a routed-expert scale byte above 128: exit 2 and
     the loader's message naming the tensor (the tiny set's bytes are <= 128, so one is raised)."""
