@@ -20,6 +20,10 @@ running sum per column and word position), summed along its second axis once aft
 No padding rows are loaded or multiplied (a 16-row tensor-core tile of one pair is 15 rows of
 padding); each code then costs an fp32 conversion and an FMA instead of a share of an MMA.
 
+K splits (`k_splits` > 1): a third grid axis; program (t, j, ks) walks the ks-th of k_splits
+equal runs of K blocks and stores its fp32 sums, unrounded, to partials [k_splits, M, N] that the
+caller adds in split order and rounds once (more programs for launches of under two waves).
+
 Decodes (`decode`), all exact:
   * "select": integer select of the fp32 bits per code, fp32 scale multiply, bf16 rounding;
   * "subnormal": the three magnitude bits moved into an fp32 subnormal, x 2^126, x scale (five
