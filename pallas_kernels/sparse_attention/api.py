@@ -12,9 +12,9 @@ f32-accurate result rounds 0.04-0.2% of outputs to the other bf16 neighbour, and
 sets such flips, amplified by the next fp8 quantisation and by routing, break block parity). On
 the kernel path a float64 request runs the reference (with a logged note), or the GPU kernel's
 float64 program with `BlockSizes.f64_kernel` (TPUs have no float64). "f32" runs the f32 kernels
-(`BlockSizes.split_probs`); see benchmarks/README.md for cost and error of each. The model passes `ModelArgs.attn_accumulate`
-("auto": "f64" except on TPU, which has no float64, "f32" there;
-`dsv41_jax.attention.resolve_attn_accumulate`).
+(`BlockSizes.split_probs`); see benchmarks/README.md for cost and error of each. The model
+passes `ModelArgs.attn_accumulate` ("auto": "f64" except on TPU, which has no float64, "f32"
+there; `dsv41_jax.attention.resolve_attn_accumulate`) and `Attention.f64_kernel`.
 """
 
 from __future__ import annotations
