@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -276,7 +277,7 @@ def attention_f64_row(rows: int, **overrides) -> dict:
     from pallas_kernels.sparse_attention import api, kernel_gpu
 
     h, d, k = 64, 512, 640
-    bs = dataclasses_replace(api.BlockSizes(f64_kernel=True).resolved("gpu", rows, d, k, h, f64=True), overrides)
+    bs = dataclasses.replace(api.BlockSizes(f64_kernel=True).resolved("gpu", rows, d, k, h, f64=True), **overrides)
     kw = {"block_k": bs.block_k, "block_d": bs.block_d, "block_h": bs.block_h, "num_splits": bs.num_splits,
           "num_warps": bs.num_warps, "num_stages": bs.num_stages}
     f = functools.partial(kernel_gpu.sparse_attn, scale=d ** -0.5, split_probs=True, interpret=False, f64=True, **kw)
@@ -292,12 +293,6 @@ def attention_f64_row(rows: int, **overrides) -> dict:
     return {"rows": rows, "kernel": kw, "loop": looped, "dmma_per_warp": _count(ops, "DMMA"), "dmma_needed_per_warp": needed,
             "spill_ops": _count(ops, "STL", "LDL"), "registers": int(regs.group(1)) if regs else None,
             "stack_bytes": int(stack.group(1)) if stack else None}
-
-
-def dataclasses_replace(obj, overrides: dict):
-    import dataclasses
-
-    return dataclasses.replace(obj, **overrides)
 
 
 def main(argv=None) -> int:
