@@ -430,13 +430,12 @@ class TestAttnGpuInterpretF64SplitsAndColumnBlocks(F64KernelBase):
 
 
 def test_f64_kernel_tiles_and_its_tpu_request():
-    """The float64 program's default tiles (16 heads, all columns, 8 warps, 32-slot steps below 64
-    rows and 64 from there; index splits filling the SMs at decode); on a TPU target the request
-    stays the logged reference."""
+    """The float64 program's default tiles (16 heads, all columns, 8 warps, 32-slot steps; index
+    splits filling the SMs at decode); on a TPU target the request stays the logged reference."""
     bs = attn_api.BlockSizes(f64_kernel=True).resolved("gpu", 1, 512, 640, 64, f64=True)
     assert (bs.block_h, bs.block_d, bs.block_k, bs.num_warps, bs.num_splits) == (16, 512, 32, 8, 20)
     bs = attn_api.BlockSizes(f64_kernel=True).resolved("gpu", 64, 512, 640, 64, f64=True)
-    assert (bs.block_k, bs.num_splits) == (64, 1)
+    assert (bs.block_k, bs.num_splits) == (32, 1)
     q, kv, sink, idx, scale = attn_inputs("window_not_full")
     got = attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="pallas", target="tpu", interpret=True,
                                block_sizes=attn_api.BlockSizes(f64_kernel=True))

@@ -62,10 +62,10 @@ class BlockSizes:
       the default mode, benchmarks/README.md).
     f64_kernel: float64 requests (`accumulate="f64"`) run the GPU kernel's float64 program
       (kernel_gpu's docstring) instead of the jnp reference. Tiles: 16 heads, all columns, 8
-      warps, 64-slot steps from 64 rows up and 32 below; index splits as for f32. Compiled for
-      sm_90 (triton 3.9.0, DMMA.8x8x4 a warp per K step): 16-slot steps repeat the logits' MMAs
-      across warps (2.5x the needed DMMAs), 32-slot steps 1.5x (244 registers, no spills),
-      64-slot steps none (255 registers, 10 spill loads a step); 4 warps spill at every size.
+      warps, 32-slot steps; index splits as for f32. Off: on an H100 it matches the reference bit
+      for bit but one decode row took 238 µs a call against the reference's 110, and the sm_90
+      code of a 64-row step spills (601 spill operations a 32-slot step, 3697 a 64-slot one;
+      benchmarks/README.md, twenty-sixth session).
     """
     block_k: int | None = None
     block_d: int | None = None
@@ -80,7 +80,7 @@ class BlockSizes:
         hp = max(16, pl.next_power_of_2(h))
         num_warps = self.num_warps
         if target == "gpu" and f64:
-            block_k = self.block_k or (64 if rows >= 64 else 32)
+            block_k = self.block_k or 32
             block_d = min(self.block_d or d, d)
             block_h = min(self.block_h or 16, hp)
             num_warps = num_warps or 8

@@ -20,7 +20,8 @@ With several index splits the kernel writes f32 partials (acc, running max, sum)
 combine rescales and adds them in f32.
 
 The float64 program (`f64`): the oracle's arithmetic in the oracle's precision. q and the
-gathered rows are widened to f64 (exact), both products run on the f64 tensor cores (DMMA), the
+gathered rows are widened to f64 (exact), both products are formed element by element in f64 on
+the CUDA cores (`_f64_body`: the f64 tensor-core dot is wrong in jaxlib 0.11.2's Triton), the
 online softmax, the sink and the division (IEEE) are f64, and the result is rounded to f32 and
 then to bf16, the reference's conversion path. It differs from the oracle only in the order of
 f64 operations (the online max rescaling, the summation order): ~1e-16 relative, so an output
@@ -108,42 +109,53 @@ def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: 
         l_ref[...] = l_i
 
 
+F64_COLS = 16  # head_dim columns a term of the float64 products ([heads, slots, 16] f64 in registers)
+
+
 def _f64_body(idx_ref, q_ref, kv_ref, sink_ref, out_refs, *, scale, block_k, n_blocks, block_d, d0, finalize,
               interpret):
-    """The float64 program: q and the gathered rows widened to f64 (exact), both products on the
-    f64 tensor cores (DMMA), the online softmax, the sink and the division in f64; the result
-    rounded to f32 and then to bf16, the reference's conversion path."""
+    """The float64 program: q and the gathered rows widened to f64 (exact), both products formed
+    element by element on the CUDA cores (f64 multiply-adds, `F64_COLS` columns a term), the
+    online softmax, the sink and the division in f64; the result rounded to f32 and then to bf16,
+    the reference's conversion path. Not `dot` in f64: the Triton of jaxlib 0.11.2 computes an
+    f64 tensor-core dot wrongly on an H100 (relative error ~1; benchmarks/README.md, twenty-sixth
+    session), while its f64 multiplies, sums, exp and division are exact there."""
     h, d = q_ref.shape
     f64 = jnp.float64
-    q = q_ref[...].astype(f64)
     sink = sink_ref[...].astype(f64)
-    dims = (((1,), (1,)), ((), ()))
+    chunks = range(0, d, F64_COLS)
 
     def body(j, carry):
         m_i, l_i, acc = carry
         ids = idx_ref[pl.ds(j * block_k, block_k)]
         valid = ids >= 0
         rows = jnp.where(valid, ids, 0)
-        k = kv_ref[rows, :]
-        s = jax.lax.dot_general(q, k.astype(f64), dims, preferred_element_type=f64) * jnp.asarray(scale, f64)
-        s = jnp.where(valid[None, :], s, -jnp.inf)
+        k = [kv_ref[rows, pl.ds(c, F64_COLS)] for c in chunks]  # [bk, 16] bf16 each, widened where used
+        s = None
+        for c, kc in zip(chunks, k):  # q . k^T, 16 columns a term, terms added in column order
+            t = jnp.sum(q_ref[:, pl.ds(c, F64_COLS)].astype(f64)[:, None, :] * kc.astype(f64)[None, :, :], axis=2)
+            s = t if s is None else s + t
+        s = jnp.where(valid[None, :], s * jnp.asarray(scale, f64), -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # >= sink: finite
         alpha = jnp.exp(m_i - m_new)
         p = jnp.exp(s - m_new[:, None])
-        v = k if block_d == d else kv_ref[rows, pl.ds(d0, block_d)]
-        pv = jnp.dot(p, v.astype(f64), preferred_element_type=f64)
-        return m_new, l_i * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+        v = k if block_d == d else [kv_ref[rows, pl.ds(d0 + c, F64_COLS)] for c in range(0, block_d, F64_COLS)]
+        acc = tuple(a * alpha[:, None] + jnp.sum(p[:, :, None] * vc.astype(f64)[None, :, :], axis=1) for a, vc in zip(acc, v))
+        return m_new, l_i * alpha + jnp.sum(p, axis=1), acc
 
-    init = (sink, jnp.zeros((h,), f64), jnp.zeros((h, block_d), f64))
+    init = (sink, jnp.zeros((h,), f64), tuple(jnp.zeros((h, F64_COLS), f64) for _ in range(0, block_d, F64_COLS)))
     m_i, l_i, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    cols = [pl.ds(c, F64_COLS) for c in range(0, block_d, F64_COLS)]
     if finalize:
         (o_ref,) = out_refs
         den = l_i + jnp.exp(sink - m_i)
-        out = (acc / den[:, None]).astype(jnp.float32)  # div.rn.f64, then the reference's f64 -> f32
-        o_ref[...] = _round_bf16_f32(out, interpret).astype(o_ref.dtype)
+        for col, a in zip(cols, acc):
+            out = (a / den[:, None]).astype(jnp.float32)  # div.rn.f64, then the reference's f64 -> f32
+            o_ref[:, col] = _round_bf16_f32(out, interpret).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...] = acc
+        for col, a in zip(cols, acc):
+            acc_ref[:, col] = a
         m_ref[...] = m_i
         l_ref[...] = l_i
 
