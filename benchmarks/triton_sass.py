@@ -271,8 +271,8 @@ def attention_f64_row(rows: int, **overrides) -> dict:
     """The sparse attention's float64 program (`sparse_attention.BlockSizes.f64_kernel`) at the
     released shape (64 heads x 512, 640 listed slots) for `rows` query rows, at its default tiles
     with `overrides`: the K loop's f64 multiplies (DFMA, DMUL) a thread issues against the
-    products its tile needs (the logits' and p.V's products of a step shared out over the threads; more means
-    threads repeat work), and its spills."""
+    products its tile needs (a step's logits and p.V products shared out over the threads; more
+    means threads repeat work), its f64 tensor-core MMAs (DMMA) and its spills."""
     import functools
 
     from pallas_kernels.sparse_attention import api, kernel_gpu
