@@ -36,11 +36,13 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -167,6 +169,25 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _weak_method(method):
+    """A bound method as a plain function that holds its instance weakly (same name and
+    signature, for jit's static / donated argument numbers and its program names). A jit wrapper
+    of the bound method stored on the instance would make a reference cycle, and the instance with
+    its device arrays (a model's shard) would outlive its last reference until Python's next cyclic
+    collection."""
+    ref, name, qualname = weakref.WeakMethod(method), method.__name__, method.__qualname__
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is None:
+            raise ReferenceError(f"{qualname}: its Generator was dropped")
+        return bound(*args, **kwargs)
+
+    call.__name__, call.__qualname__ = name, qualname
+    call.__signature__ = inspect.signature(method)
+    return call
+
+
 class Generator:
     """Holds a model split into (graphdef, state) and its compiled prefill / decode programs.
 
@@ -224,14 +245,19 @@ class Generator:
             device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
             decode_options = decode_compiler_options(device.platform)
         decode_options = dict(decode_options or {}) or None
+        # the programs refer to this Generator weakly (`_weak_method`): with no reference cycle,
+        # dropping it frees its state's device arrays at once
+        prefill_impl, prefill_chunk_impl = _weak_method(self._prefill_impl), _weak_method(self._prefill_chunk_impl)
+        decode_impl, sample_impl = _weak_method(self._decode_impl), _weak_method(self._sample_impl)
+        args, max_seq_len = self.args, self.max_seq_len
         if mesh is None:
             self.data = 1
-            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,))
-            self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,))
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
+            self._prefill = jax.jit(prefill_impl, donate_argnums=(3,))
+            self._prefill_chunk = jax.jit(prefill_chunk_impl, donate_argnums=(4,))
+            self._decode = jax.jit(decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
                                    compiler_options=decode_options)
-            self._init_cache = lambda b: init_cache(self.args, b, self.max_seq_len)
-            self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3))
+            self._init_cache = lambda b: init_cache(args, b, max_seq_len)
+            self._sample = jax.jit(sample_impl, static_argnums=(2, 3))
             return
         if tuple(mesh.axis_names) != shd.MESH_AXES:
             raise shd.ShardingError(f"Generator mesh has axes {tuple(mesh.axis_names)}; expected {shd.MESH_AXES} "
@@ -244,19 +270,19 @@ class Generator:
         cache_sh = shd.cache_shardings(self.args, self.data, self.max_seq_len, mesh, rules)
         logits_sh = shd.activation_sharding("logits", (self.data, self.args.vocab_size), mesh, rules)
         replicated = NamedSharding(mesh, PartitionSpec())
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
-        self._prefill_chunk = jax.jit(self._prefill_chunk_impl, donate_argnums=(4,),
+        self._prefill = jax.jit(prefill_impl, donate_argnums=(3,), out_shardings=(logits_sh, cache_sh))
+        self._prefill_chunk = jax.jit(prefill_chunk_impl, donate_argnums=(4,),
                                       out_shardings=(logits_sh, cache_sh))
         # (tokens [B, steps], last tokens, steps run, logits [steps, B, V] or None, cache, done
         # [B]: as the next call takes it)
         step_logits_sh = NamedSharding(mesh, PartitionSpec(None, *logits_sh.spec))
         done_sh = shd.activation_sharding("done", (self.data,), mesh, rules)
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
+        self._decode = jax.jit(decode_impl, donate_argnums=(3,), static_argnums=(8, 9, 10, 11, 12),
                                out_shardings=(replicated, replicated, replicated, step_logits_sh, cache_sh, done_sh),
                                compiler_options=decode_options)
-        self._init_cache = jax.jit(lambda b: init_cache(self.args, b, self.max_seq_len), static_argnums=(0,),
+        self._init_cache = jax.jit(lambda b: init_cache(args, b, max_seq_len), static_argnums=(0,),
                                    out_shardings=cache_sh)
-        self._sample = jax.jit(self._sample_impl, static_argnums=(2, 3), out_shardings=replicated)
+        self._sample = jax.jit(sample_impl, static_argnums=(2, 3), out_shardings=replicated)
 
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)

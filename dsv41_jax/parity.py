@@ -33,6 +33,7 @@ from dsv41_jax.engram import engram_hash
 from dsv41_jax.loading import load_hub_weights, resolve_fp4_scale_fold
 from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.model import Transformer
+from dsv41_jax.moe import Experts
 
 # Parts of a golden checkpoint that the text model does not hold (vision tower, DSpark stages).
 NOT_IN_TEXT_MODEL = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
@@ -408,19 +409,22 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
 
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
                fp4_scale_fold: str = "auto",
-               attn_f64_kernel: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               attn_f64_kernel: bool = False,
+               experts_one_row: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
     `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `attn_f64_kernel`: set
-    `Attention.f64_kernel` on every layer (float64 attention on the GPU kernel's float64 program).
+    `Attention.f64_kernel` on every layer (float64 attention on the GPU kernel's float64 program);
+    `experts_one_row`: set `Experts.one_row` on every layer (the decode gather as one-row programs).
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
     model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, fp4_scale_fold=fp4_scale_fold)
-    if attn_f64_kernel:
-        for _, m in nnx.iter_graph(model):
-            if isinstance(m, Attention):
-                m.f64_kernel = True
+    for _, m in nnx.iter_graph(model):
+        if attn_f64_kernel and isinstance(m, Attention):
+            m.f64_kernel = True
+        if experts_one_row and isinstance(m, Experts):
+            m.one_row = True
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -465,6 +469,9 @@ def main(argv=None) -> int:
     p.add_argument("--attn-f64-kernel", action="store_true",
                    help="Attention.f64_kernel: float64 attention on the GPU kernel's float64 program instead of "
                         "the jnp reference (GPU only; elsewhere the reference runs as before)")
+    p.add_argument("--experts-one-row", action="store_true",
+                   help="Experts.one_row: the routed experts' decode gather as one-row programs without tensor "
+                        "cores (GPU kernel only)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -475,7 +482,8 @@ def main(argv=None) -> int:
     try:
         port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only,
                                               attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold,
-                                              attn_f64_kernel=ns.attn_f64_kernel)
+                                              attn_f64_kernel=ns.attn_f64_kernel,
+                                              experts_one_row=ns.experts_one_row)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import jax
@@ -20,6 +22,7 @@ import pytest
 
 from conftest import GOLDEN_ROOT
 from dsv41_jax import generate as G
+from dsv41_jax import sharding as shd
 from dsv41_jax.cache import init_cache
 from dsv41_jax.parity import GoldenSet, load_model
 from dsv41_jax.sampling import SamplingParams
@@ -97,6 +100,28 @@ def test_generation_stops_at_any_eos_id():
     free = gen.generate([prompt], 6).completions()[0]
     stopped = gen.generate([prompt], 6, eos_ids=(999999, free[2])).completions()[0]
     assert stopped == free[: free.index(free[2]) + 1]
+
+
+@pytest.mark.parametrize("mesh", [None, "expert=1,data=1"])
+def test_a_dropped_generator_frees_its_arrays_without_a_cyclic_collection(mesh):
+    """The Generator's compiled programs (single device and mesh alike) hold it weakly, so dropping
+    its last reference frees it, and the device arrays only it holds (on a mesh of several devices
+    its placed copy of the model), at once, not at Python's next cyclic collection; its programs
+    then refuse to run."""
+    model = load_model(GoldenSet(TINY))
+    gc.collect()
+    gc.disable()
+    try:
+        gen = G.Generator(model, max_seq_len=64, mesh=None if mesh is None else shd.make_mesh(mesh))
+        want = _generator(64).generate([[5, 6, 7, 8]], 3).completions()
+        assert gen.generate([[5, 6, 7, 8]], 3).completions() == want
+        owner, decode = weakref.ref(gen), gen._decode
+        del gen
+        assert owner() is None
+    finally:
+        gc.enable()
+    with pytest.raises(ReferenceError, match="_decode_impl: its Generator was dropped"):
+        decode(*([None] * 13))
 
 
 def test_bad_prompts_are_rejected_with_the_reason():
