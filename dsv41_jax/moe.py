@@ -192,7 +192,8 @@ class Experts(nnx.Module):
     byte is <= 128, so the kernel may fold its decode's x 2^126 into the scales
     (`expert_matmul.BlockSizes.scale_fold`); `loading.resolve_fp4_scale_fold` checks and sets it.
     `one_row` (off; set on the module to try it): the gather path's pairs run as one-row programs
-    without tensor cores (`expert_matmul.BlockSizes.one_row`).
+    without tensor cores (`expert_matmul.BlockSizes.one_row`; on an H100 a decode step 11% slower
+    at batch 1 and 25% at batch 8, benchmarks/README.md).
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,

@@ -82,8 +82,9 @@ class BlockSizes:
       one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
       tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
       Compiled without a GPU (benchmarks/triton_sass.py) its K loop has no MMA, no spills and fewer
-      registers, but more instructions a code (5.9 against 4.6 for w1 + w3 with the fold); not yet
-      timed on a GPU, hence off.
+      registers, but more instructions a code (5.9 against 4.6 for w1 + w3 with the fold). On an
+      H100 the decode step is 11% slower with it at batch 1 and 25% at batch 8 (benchmarks/README.md,
+      twenty-seventh session), hence off.
     k_splits: programs sharing one output block's K range (fp32 partials [k_splits, rows, N],
       added in split order and rounded to bf16 once by a small XLA reduction after the launch);
       more programs in flight for launches of under two waves (the one-token decode's w1 + w3 is
