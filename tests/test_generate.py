@@ -104,17 +104,18 @@ def test_generation_stops_at_any_eos_id():
 
 @pytest.mark.parametrize("mesh", [None, "expert=1,data=1"])
 def test_a_dropped_generator_frees_its_arrays_without_a_cyclic_collection(mesh):
-    """The Generator's compiled programs (single device and mesh alike) hold it weakly, so dropping
-    its last reference frees it, and the device arrays only it holds (on a mesh of several devices
-    its placed copy of the model), at once, not at Python's next cyclic collection; its programs
-    then refuse to run."""
+    """The Generator's programs (single device and mesh alike; compiled and run on one device)
+    hold it weakly, so dropping its last reference frees it, and the device arrays only it holds
+    (on a mesh of several devices its placed copy of the model), at once, not at Python's next
+    cyclic collection; its programs then refuse to run."""
     model = load_model(GoldenSet(TINY))
     gc.collect()
     gc.disable()
     try:
-        gen = G.Generator(model, max_seq_len=64, mesh=None if mesh is None else shd.make_mesh(mesh))
-        want = _generator(64).generate([[5, 6, 7, 8]], 3).completions()
-        assert gen.generate([[5, 6, 7, 8]], 3).completions() == want
+        gen = G.Generator(model, max_seq_len=128, mesh=None if mesh is None else shd.make_mesh(mesh))
+        if mesh is None:
+            want = _generator().generate([_prompt(9)], 3).completions()
+            assert gen.generate([_prompt(9)], 3).completions() == want
         owner, decode = weakref.ref(gen), gen._decode
         del gen
         assert owner() is None
