@@ -123,7 +123,7 @@ def _f64_body(idx_ref, q_ref, kv_ref, sink_ref, out_refs, *, scale, block_k, n_b
     h, d = q_ref.shape
     f64 = jnp.float64
     sink = sink_ref[...].astype(f64)
-    chunks = range(0, d, F64_COLS)
+    chunks, v_chunks = range(0, d, F64_COLS), range(0, block_d, F64_COLS)  # q.k^T columns; p.V's from d0
 
     def body(j, carry):
         m_i, l_i, acc = carry
@@ -139,13 +139,13 @@ def _f64_body(idx_ref, q_ref, kv_ref, sink_ref, out_refs, *, scale, block_k, n_b
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # >= sink: finite
         alpha = jnp.exp(m_i - m_new)
         p = jnp.exp(s - m_new[:, None])
-        v = k if block_d == d else [kv_ref[rows, pl.ds(d0 + c, F64_COLS)] for c in range(0, block_d, F64_COLS)]
+        v = k if block_d == d else [kv_ref[rows, pl.ds(d0 + c, F64_COLS)] for c in v_chunks]
         acc = tuple(a * alpha[:, None] + jnp.sum(p[:, :, None] * vc.astype(f64)[None, :, :], axis=1) for a, vc in zip(acc, v))
         return m_new, l_i * alpha + jnp.sum(p, axis=1), acc
 
-    init = (sink, jnp.zeros((h,), f64), tuple(jnp.zeros((h, F64_COLS), f64) for _ in range(0, block_d, F64_COLS)))
+    init = (sink, jnp.zeros((h,), f64), tuple(jnp.zeros((h, F64_COLS), f64) for _ in v_chunks))
     m_i, l_i, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    cols = [pl.ds(c, F64_COLS) for c in range(0, block_d, F64_COLS)]
+    cols = [pl.ds(c, F64_COLS) for c in v_chunks]
     if finalize:
         (o_ref,) = out_refs
         den = l_i + jnp.exp(sink - m_i)
