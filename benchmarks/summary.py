@@ -6,6 +6,7 @@ batch 1, 8, 64, 256 and contexts 4k / 64k (`Generator`'s loop program, "decode f
 prefill of 4k / 16k tokens ("prefill fast"), each layer role alone ("layer fast <i> <role>
 loop"), each with its fraction of the ceiling measured in the same run and the goal where the
 suite has one; then the plain jnp path's speed-up, taken only from a run that timed both paths.
+A first line names the card (and jax version) of the file's runs, from its `meta.runs`.
 
   python -m benchmarks.summary [benchmarks/results/h200.json]
 """
@@ -76,8 +77,31 @@ def _time(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 0.1 else f"{s * 1e6:.1f} µs"
 
 
-def markdown(rows: list[dict]) -> str:
+def devices(meta: dict) -> str:
+    """'<device> (jax <version>): runs <numbers>' for each device the results' runs name
+    (`meta.runs`), so a table says which card its numbers came from; '' without run metadata."""
+    by = {}
+    for run, info in sorted((meta or {}).get("runs", {}).items(), key=lambda kv: int(kv[0])):
+        key = (info.get("device") or "unknown device", info.get("jax"))
+        by.setdefault(key, []).append(run)
+    return "; ".join(f"{dev}{f' (jax {jax})' if jax else ''}: runs {_spans(runs)}" for (dev, jax), runs in by.items())
+
+
+def _spans(runs: list[str]) -> str:
+    """['1', '2', '3', '5'] -> '1-3, 5'."""
+    nums, out = sorted(int(r) for r in runs), []
+    for n in nums:
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
+def markdown(rows: list[dict], meta: dict | None = None) -> str:
     lines = ["| row | batch | context | time | of ceiling | goal | run |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    if devices(meta):
+        lines = [f"Measured on {devices(meta)}.", ""] + lines
     for t in table(rows):
         frac = f"{t['fraction']:.1%} of {t['ceiling']}" if t["fraction"] is not None else "-"
         goal = f"{t['goal']:.0%}" if t["goal"] else ""
@@ -99,10 +123,11 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="?", default=str(RESULTS), help="a results JSON ({'rows': [...]})")
     ns = p.parse_args(argv)
     try:
-        rows = json.loads(Path(ns.results).read_text())["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        data = json.loads(Path(ns.results).read_text())
+        rows, meta = data["rows"], data.get("meta") or {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"{ns.results}: not a results file with a 'rows' list ({type(e).__name__}: {e})")
-    print(markdown(rows))
+    print(markdown(rows, meta))
     return 0
 
 

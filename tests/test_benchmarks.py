@@ -365,9 +365,16 @@ def test_summary_takes_each_rows_latest_run_and_speed_ups_within_one_run(capsys,
     assert summary.speedups(rows) == [{"batch": 1, "context": 4096, "run": 20, "fast_s": 2e-3, "reference_s": 3e-3,
                                        "speedup": 1.5}]
     assert "| decode fast loop | 1 | 4096 | 1500.0 µs | 50.0% of hbm | 75% | 22a |" in summary.markdown(rows)
+    # the table names the cards its runs came from
+    meta = {"runs": {"3": {"device": "NVIDIA H200", "jax": "0.11.2"}, "1": {"device": "NVIDIA H200", "jax": "0.11.2"},
+                     "2": {"device": "NVIDIA H200", "jax": "0.11.2"}, "10": {"device": "NVIDIA H100 80GB HBM3"}}}
+    assert summary.devices(meta) == "NVIDIA H200 (jax 0.11.2): runs 1-3; NVIDIA H100 80GB HBM3: runs 10"
+    assert summary.markdown(rows, meta).startswith("Measured on NVIDIA H200 (jax 0.11.2): runs 1-3; ")
+    assert summary.devices({}) == "" and summary.markdown(rows).startswith("| row |")
     # the committed H200 results hold every decode and prefill row the suite reports
     assert summary.main([]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("Measured on NVIDIA H200 (jax 0.11.2): runs 1-")
     for name, batch, context in summary.DECODE + summary.PREFILL:
         assert f"| {name} | {batch} | {context} |" in out
     bad = tmp_path / "x.json"
