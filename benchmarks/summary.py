@@ -98,10 +98,11 @@ def _spans(runs: list[str]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
 
 
-def markdown(rows: list[dict], meta: dict | None = None) -> str:
+def markdown(rows: list[dict], measured_on: str = "") -> str:
+    """The table; `measured_on` (`devices` of the file's meta) heads it where not empty."""
     lines = ["| row | batch | context | time | of ceiling | goal | run |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    if devices(meta):
-        lines = [f"Measured on {devices(meta)}.", ""] + lines
+    if measured_on:
+        lines = [f"Measured on {measured_on}.", ""] + lines
     for t in table(rows):
         frac = f"{t['fraction']:.1%} of {t['ceiling']}" if t["fraction"] is not None else "-"
         goal = f"{t['goal']:.0%}" if t["goal"] else ""
@@ -124,10 +125,11 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     try:
         data = json.loads(Path(ns.results).read_text())
-        rows, meta = data["rows"], data.get("meta") or {}
+        rows, measured_on = data["rows"], devices(data.get("meta") or {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        p.error(f"{ns.results}: not a results file with a 'rows' list ({type(e).__name__}: {e})")
-    print(markdown(rows, meta))
+        p.error(f"{ns.results}: not a results file with a 'rows' list and run metadata "
+                f"({type(e).__name__}: {e})")
+    print(markdown(rows, measured_on))
     return 0
 
 

@@ -369,7 +369,7 @@ def test_summary_takes_each_rows_latest_run_and_speed_ups_within_one_run(capsys,
     meta = {"runs": {"3": {"device": "NVIDIA H200", "jax": "0.11.2"}, "1": {"device": "NVIDIA H200", "jax": "0.11.2"},
                      "2": {"device": "NVIDIA H200", "jax": "0.11.2"}, "10": {"device": "NVIDIA H100 80GB HBM3"}}}
     assert summary.devices(meta) == "NVIDIA H200 (jax 0.11.2): runs 1-3; NVIDIA H100 80GB HBM3: runs 10"
-    assert summary.markdown(rows, meta).startswith("Measured on NVIDIA H200 (jax 0.11.2): runs 1-3; ")
+    assert summary.markdown(rows, summary.devices(meta)).startswith("Measured on NVIDIA H200 (jax 0.11.2): runs 1-3; ")
     assert summary.devices({}) == "" and summary.markdown(rows).startswith("| row |")
     # the committed H200 results hold every decode and prefill row the suite reports
     assert summary.main([]) == 0
@@ -379,6 +379,10 @@ def test_summary_takes_each_rows_latest_run_and_speed_ups_within_one_run(capsys,
         assert f"| {name} | {batch} | {context} |" in out
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        summary.main([str(bad)])
+    assert "not a results file" in capsys.readouterr().err
+    bad.write_text('{"rows": [], "meta": {"runs": {"x": {}}}}')  # a run that is not a number
     with pytest.raises(SystemExit):
         summary.main([str(bad)])
     assert "not a results file" in capsys.readouterr().err
