@@ -83,14 +83,14 @@ def devices(meta: dict) -> str:
     by = {}
     for run, info in sorted((meta or {}).get("runs", {}).items(), key=lambda kv: int(kv[0])):
         key = (info.get("device") or "unknown device", info.get("jax"))
-        by.setdefault(key, []).append(run)
+        by.setdefault(key, []).append(int(run))
     return "; ".join(f"{dev}{f' (jax {jax})' if jax else ''}: runs {_spans(runs)}" for (dev, jax), runs in by.items())
 
 
-def _spans(runs: list[str]) -> str:
-    """['1', '2', '3', '5'] -> '1-3, 5'."""
-    nums, out = sorted(int(r) for r in runs), []
-    for n in nums:
+def _spans(runs: list[int]) -> str:
+    """Ascending run numbers [1, 2, 3, 5] -> '1-3, 5'."""
+    out = []
+    for n in runs:
         if out and n == out[-1][1] + 1:
             out[-1][1] = n
         else:
