@@ -34,6 +34,7 @@ from dsv41_jax.cache import seed_group_state, seed_rows, seed_window, update_win
 from dsv41_jax.config import COMPRESSED_KV_BLOCK, QUANT_BLOCK, ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_linears, apply_rope, linear_kernels, rope_angles, rope_freqs
 from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
+from pallas_kernels._dispatch import platform
 from pallas_kernels.fp8_matmul import api as fp8_matmul
 from pallas_kernels.fp8_matmul import reference as fp8_reference
 from pallas_kernels.sparse_attention.api import BlockSizes as SparseAttnBlockSizes
@@ -489,7 +490,7 @@ class Indexer(nnx.Module):
 def resolve_attn_accumulate(choice: str) -> str:
     """`ModelArgs.attn_accumulate` -> `sparse_attn`'s `accumulate`: "auto" is "f64" (the golden
     oracle's rounding) except on TPU, which has no float64 ("f32"); "f64" / "f32" pass through."""
-    tpu = jax.default_backend() == "tpu"
+    tpu = platform() == "tpu"
     if choice == "auto":
         return "f32" if tpu else "f64"
     if choice not in ("f64", "f32"):

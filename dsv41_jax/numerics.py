@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._dispatch import platform
+
 
 def round_bf16(x: jax.Array) -> jax.Array:
     """Rounds to bf16 values (RNE), returned as f32; `reduce_precision` is never elided."""
@@ -117,7 +119,7 @@ def in_float64(fn, x: jax.Array) -> jax.Array:
     the six-layer benchmark (benchmarks/README.md, ninth run). TPUs have no float64 and run fn
     in f32. `reciprocal_sqrt` takes its square root this way too.
     """
-    if x.dtype == jnp.float32 and jax.default_backend() != "tpu":
+    if x.dtype == jnp.float32 and platform() != "tpu":
         with jax.enable_x64(True):
             return fn(x.astype(jnp.float64)).astype(jnp.float32)
     return fn(x)

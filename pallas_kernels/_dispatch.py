@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 logger = logging.getLogger(__name__)
+
+_PLATFORMS = ("cpu", "gpu", "tpu")
+_target: list[str] = []  # the stack of `target_platform` overrides
+
+
+def platform() -> str:
+    """The platform the code being traced is for: "cpu", "gpu" or "tpu". `jax.default_backend()`
+    (CUDA and ROCm are "gpu"), unless `target_platform` says otherwise. Every choice that depends
+    on the platform (kernels, float64, loop unrolling) asks this."""
+    if _target:
+        return _target[-1]
+    backend = jax.default_backend()
+    return "gpu" if backend in ("cuda", "rocm") else backend
+
+
+@contextlib.contextmanager
+def target_platform(name: str):
+    """Trace for `name` ("cpu", "gpu", "tpu") rather than the default backend: for compiling
+    ahead of time for a platform this process has no device of (`benchmarks.launch_count`
+    compiles the GPU program on a CPU-only host). Only the platform-dependent choices change;
+    the compile itself must still be asked of that platform (jit's lowering for its devices)."""
+    if name not in _PLATFORMS:
+        raise ValueError(f"target_platform must be one of {_PLATFORMS}, got {name!r}")
+    _target.append(name)
+    try:
+        yield
+    finally:
+        _target.pop()
 
 
 def resolve(implementation: str, target: str | None, interpret: bool) -> tuple[bool, str]:
@@ -18,7 +47,7 @@ def resolve(implementation: str, target: str | None, interpret: bool) -> tuple[b
     """
     if implementation not in ("auto", "reference", "pallas"):
         raise ValueError(f"implementation must be 'auto', 'reference' or 'pallas', got {implementation=}")
-    backend = jax.default_backend()
+    backend = platform()
     if target is None:
         target = "tpu" if backend == "tpu" else "gpu"
     if target not in ("gpu", "tpu"):
@@ -26,7 +55,7 @@ def resolve(implementation: str, target: str | None, interpret: bool) -> tuple[b
     if implementation == "reference":
         return False, target
     if implementation == "auto":
-        return backend in ("gpu", "cuda", "rocm", "tpu") or interpret, target
+        return backend in ("gpu", "tpu") or interpret, target
     if backend == "cpu" and not interpret:
         raise ValueError("implementation='pallas' on CPU needs interpret=True")
     return True, target

@@ -5,6 +5,9 @@ rows' fractions of the bandwidth rest on, and the prefill's FLOP count."""
 from __future__ import annotations
 
 import json
+import os
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -557,3 +560,56 @@ def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
     with pytest.raises(SystemExit):
         triton_sass.main(["--ptx", str(tmp_path / "m.ptx"), "--function", "sinkhorn"])
     assert "no kernel with a loop matches --function 'sinkhorn'" in capsys.readouterr().err
+
+
+def test_launch_count_chains_a_compiled_decode_step_by_source():
+    """`launch_count.chain` on XLA's own optimized decode step (tiny width, CPU here): the chain's
+    launches per source add up to the chain, which is no longer than the launches; project lines
+    name most of them."""
+    from benchmarks import launch_count
+
+    args = model_speed.bench_args(True, 1, 64, "auto")
+    graphdef, state = model_speed.random_model(args)
+    cache = model_speed.seeded_cache(args, 1, 64)
+    ids, pos = jnp.zeros((1,), jnp.int32), jnp.full((1,), 63, jnp.int32)
+    text = model_speed._decode_fn(graphdef).lower(state, ids, pos, cache).compile().as_text()
+    n, path, counts = launch_count.chain(text)
+    assert 0 < len(path) <= n and sum(counts.values()) == len(path)
+    assert list(counts.values()) == sorted(counts.values(), reverse=True)
+    ours = sum(c for k, c in counts.items() if re.match(r"\w+\.py:\d+ ", k))
+    assert ours >= len(path) // 2, counts
+
+
+def test_launch_count_describes_each_card_and_names_bad_flags(capsys):
+    from benchmarks import launch_count
+
+    h100, h200 = launch_count.target_config("h100"), launch_count.target_config("h200")
+    for text in (h100, h200):
+        assert "core_count: 132" in text and "major: 9 minor: 0" in text and text.count("{") == text.count("}")
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in h100 and "memory_bandwidth: 4800000000000" in h200
+    with pytest.raises(ValueError, match="--card must be one of"):
+        launch_count.target_config("a100")
+    assert launch_count.main(["--paths", "bogus"]) == 2
+    assert "--paths: unknown path 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--batches: expected a comma-separated list"):
+        launch_count.main(["--batches", "0"])
+
+
+def test_launch_count_compiles_the_full_width_step_for_an_h100_without_one(tmp_path):
+    """Where jax's CUDA plugin is installed (pyproject's `aot` extra; not in CI): the six-layer
+    full-width step compiled for an H100 on this host, its chain holding the fast path's Pallas
+    kernels."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        pytest.skip("jax's CUDA plugin is not installed (pyproject's aot extra)")
+    out = tmp_path / "counts.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.launch_count", "--batches", "1", "--json", str(out)],
+                   check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                   cwd=Path(__file__).resolve().parents[1])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["launches"] >= row["on_chain"] > 100 and sum(row["chain_by_source"].values()) == row["on_chain"]
+    labels = " ".join(row["chain_by_source"])
+    assert "fp8_matmul_many" in labels and "expert_matmul" in labels and "head_logits" in labels

@@ -554,6 +554,28 @@ def test_pallas_on_cpu_without_interpret_is_refused():
         attn_api.sparse_attn(q, kv, sink, idx, scale, implementation="pallas")
 
 
+def test_target_platform_makes_the_platform_choices_for_another_platform():
+    """Tracing for a GPU on this host (deviceless compilation, `benchmarks.launch_count`): the
+    kernels are picked as on a GPU, the float64 evaluations stay, and the default returns after."""
+    from dsv41_jax.attention import resolve_attn_accumulate
+    from pallas_kernels._dispatch import platform, resolve, target_platform
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU dispatch")
+    assert platform() == "cpu" and resolve("auto", None, False) == (False, "gpu")
+    with target_platform("gpu"):
+        assert platform() == "gpu" and resolve("auto", None, False) == (True, "gpu")
+        assert resolve("pallas", None, False) == (True, "gpu")  # no interpret needed: not run here
+        with target_platform("tpu"):
+            assert resolve("auto", None, False) == (True, "tpu")
+            assert resolve_attn_accumulate("auto") == "f32"
+        assert resolve_attn_accumulate("auto") == "f64"
+    assert platform() == "cpu" and resolve("auto", None, False) == (False, "gpu")
+    with pytest.raises(ValueError, match="target_platform must be one of"):
+        with target_platform("cuda"):
+            pass
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"kv_shape": (2, 48, 32)}, "kv must be"),
     ({"sink_shape": (15,)}, "attn_sink must be"),

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics import mean, reciprocal_sqrt
+from pallas_kernels._dispatch import platform, split_batch
 from pallas_kernels._dispatch import resolve as _resolve
-from pallas_kernels._dispatch import split_batch
 from pallas_kernels.sinkhorn import kernel_gpu, kernel_tpu
 from pallas_kernels.sinkhorn import reference as _ref
 
@@ -195,7 +195,7 @@ def project_rounded_once(u: jax.Array, fn: jax.Array) -> jax.Array:
     as the reference's fp32 linear is evaluated (the 20480-long sum otherwise moves the mixes by an
     fp32 ulp, enough to flip a bf16 rounding of the stream now and then). TPUs have no float64:
     there the sum stays fp32 (HIGHEST)."""
-    if jax.default_backend() == "tpu":
+    if platform() == "tpu":
         return jnp.einsum("bsk,mk->bsm", u, fn, precision=jax.lax.Precision.HIGHEST)
     with jax.enable_x64(True):
         y = jnp.einsum("bsk,mk->bsm", u.astype(jnp.float64), fn.astype(jnp.float64),

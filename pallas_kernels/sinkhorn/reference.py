@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.numerics import exact_div
+from pallas_kernels._dispatch import platform
 
 
 def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, *, hc: int, iters: int,
@@ -37,5 +38,5 @@ def hc_split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, *, hc
     # unrolled on GPUs: with the rolled loop XLA:GPU ran the plain-jnp decode step of
     # benchmarks/model_speed.py at 3462 µs of device time but 7591 µs of wall time (on CPU the
     # rolled loop compiles faster and runs as fast)
-    c = jax.lax.fori_loop(0, iters - 1, body, c, unroll=jax.default_backend() == "gpu")
+    c = jax.lax.fori_loop(0, iters - 1, body, c, unroll=platform() == "gpu")
     return pre, post, c

@@ -1,0 +1,180 @@
+"""Kernel launches of the six-layer decode step, compiled for an H100 / H200 this host need not have.
+
+XLA compiles for a GPU from a description of the card (SM count, shared memory, caches, clock,
+memory bandwidth: `CARDS`) through the CUDA PJRT plugin's topology, with no device present
+(`jax.experimental.topologies`). The optimized program is the one the card runs: the same fusions
+and the same Pallas launches (checked against a traced H200 step: 381 launching instructions
+here, 383 kernels traced; 204 on the longest chain here, 200 on the timed path), but for GEMM
+autotuning, which needs the device (XLA takes its default GEMM configurations; on the decode
+step's path the matmuls are Pallas kernels and the float64 attention's dots).
+
+At batch 1 a step is a chain of dependent launches, each costing its kernel's run time plus about
+0.6 µs (benchmarks/README.md, twenty-second run), so a launch removed from that chain is time
+saved; this counts them: every launching instruction, and the longest chain of dependent ones
+(`critical_path` with every launch weighing one), per emitting source line
+(`model_speed.hlo_sources`).
+
+Needs jax's CUDA plugin at the installed jax's version V (pyproject's `aot` extra: `pip install
+"jax-cuda12-plugin==V" "jax-cuda12-pjrt==V"`, about 0.5 GB; no CUDA toolkit or driver); runs on
+CPU-only hosts, where `python -m` starts jax CPU-only (JAX_PLATFORMS=cpu) so that the plugin
+registers without a device.
+The platform-dependent choices (kernels, float64) are made for a GPU (`target_platform`).
+
+  python -m benchmarks.launch_count [--batches 1,64] [--contexts 4096] [--card h100] [--paths fast]
+                                    [--chain] [--hlo DIR] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    # the CUDA plugin registers its topology without a device only where jax starts CPU-only
+    # (with a GPU backend requested and no driver, its start-up check fails first)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks import critical_path as cp
+from benchmarks import model_speed as ms
+from dsv41_jax.cache import init_cache
+from dsv41_jax.generate import context_bucket
+from dsv41_jax.model import Transformer
+from pallas_kernels._dispatch import target_platform
+
+# The cards' facts XLA's GPU compiler reads (GpuDeviceInfoProto fields; NVIDIA's published
+# figures for the SXM parts: 132 SMs of 228 KiB shared memory (227 KiB a block opted in), 50 MiB
+# L2, 1.98 GHz boost clock).
+_HOPPER = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 48 * 1024,
+           "shared_memory_per_block_optin": 227 * 1024, "shared_memory_per_core": 228 * 1024,
+           "threads_per_core_limit": 2048, "core_count": 132, "fpus_per_core": 128, "block_dim_limit_x": 2**31 - 1,
+           "block_dim_limit_y": 65535, "block_dim_limit_z": 65535, "l2_cache_size": 50 * 2**20,
+           "clock_rate_ghz": 1.98, "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+CARDS = {
+    "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bandwidth=3_352_320_000_000,
+                 device_memory_size=80 * 2**30),
+    "h200": dict(_HOPPER, name="NVIDIA H200", memory_bandwidth=4_800_000_000_000, device_memory_size=141 * 10**9),
+}
+
+
+def target_config(card: str) -> str:
+    """The GpuTargetConfigProto text of `card` (a key of CARDS)."""
+    if card not in CARDS:
+        raise ValueError(f"--card must be one of {sorted(CARDS)}, got {card!r}")
+    facts = dict(CARDS[card])
+    name = facts.pop("name")
+    fields = "\n".join(f"  {k}: {v}" for k, v in facts.items())
+    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
+            f'platform_name: "CUDA"\ndevice_description_str: "{name}"\n')
+
+
+def gpu_device(card: str):
+    """A device of `card` for ahead-of-time compilation (no GPU needed): a CUDA topology device."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(card), topology="1x1x1")
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        raise RuntimeError(f"no CUDA topology for --card {card}: jax's CUDA plugin is needed (jax-cuda12-plugin "
+                           f"and jax-cuda12-pjrt at jax's version {jax.__version__}), with JAX_PLATFORMS=cpu on a "
+                           f"host without a GPU ({type(e).__name__}: {e})") from e
+    return topo.devices[0]
+
+
+def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast") -> str:
+    """The optimized HLO text of `model_speed`'s six-layer full-width decode step (`Generator`'s
+    context bound, every row at position context - 1) at `batch` rows, compiled for `card`.
+    path: "fast" (kernels auto), "reference" (plain jnp), or a `model_speed.PATH_FLAGS` path."""
+    if path != "reference" and path != "fast" and path not in ms.PATH_FLAGS:
+        raise ValueError(f"--paths: unknown path {path!r} (fast, reference, {', '.join(ms.PATH_FLAGS)})")
+    sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
+    args = ms.bench_args(False, batch, context, "reference" if path == "reference" else "auto",
+                         fp4_scale_fold="on")
+    with target_platform("gpu"):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
+        graphdef, state = ms.with_path_flags(graphdef, state, path)
+        cache = jax.eval_shape(lambda: init_cache(args, batch, args.max_seq_len))
+        on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+        rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
+        fn = ms._decode_fn(graphdef, context_bucket(context, args.max_seq_len))
+        return fn.lower(on_card(state), rows, rows, on_card(cache)).compile().as_text()
+
+
+def chain(hlo_text: str) -> tuple[int, list[str], dict[str, int]]:
+    """(launching instructions of the entry computation, its longest chain of dependent launches
+    (instruction names in order), that chain's launches per emitting source line, most first)."""
+    insts = cp.entry_instructions(hlo_text)
+    _, path = cp.critical_path(insts, {}, per_launch=1.0)
+    sources = ms.hlo_sources(hlo_text)
+    by_name = {i.name: i for i in insts}
+
+    def label(inst):
+        return ms._source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or cp.kernel_label(inst)
+
+    counts: dict[str, int] = {}
+    for name in path:
+        key = label(by_name[name])
+        counts[key] = counts.get(key, 0) + 1
+    return sum(i.launches for i in insts), path, dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _ints(s: str, flag: str) -> list[int]:
+    try:
+        out = [int(v) for v in s.split(",") if v]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise SystemExit(f"{flag}: expected a comma-separated list of positive integers, got {s!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--contexts", default="4096")
+    p.add_argument("--card", default="h100", choices=sorted(CARDS))
+    p.add_argument("--paths", default="fast", help="fast, reference, " + ", ".join(ms.PATH_FLAGS))
+    p.add_argument("--chain", action="store_true", help="also list the chain's launches in order")
+    p.add_argument("--hlo", default=None, help="directory for the optimized HLO texts (.txt.gz)")
+    p.add_argument("--json", default=None, help="write the counts to this JSON file")
+    ns = p.parse_args(argv)
+    batches, contexts = _ints(ns.batches, "--batches"), _ints(ns.contexts, "--contexts")
+    rows = []
+    for path in [q for q in ns.paths.split(",") if q]:
+        for context in contexts:
+            for batch in batches:
+                try:
+                    text = decode_hlo(batch, context, ns.card, path)
+                except (RuntimeError, ValueError) as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+                n, path_names, counts = chain(text)
+                print(f"decode {path} batch {batch} context {context} ({CARDS[ns.card]['name']}, compiled without "
+                      f"a device): {n} launches, {len(path_names)} on the longest dependent chain")
+                for label, c in counts.items():
+                    print(f"  {c:4d}  {label}")
+                if ns.chain:
+                    for name in path_names:
+                        print(f"    {name}")
+                if ns.hlo:
+                    Path(ns.hlo).mkdir(parents=True, exist_ok=True)
+                    (Path(ns.hlo) / f"decode_{path}_{batch}x{context}_{ns.card}.txt.gz").write_bytes(
+                        gzip.compress(text.encode()))
+                rows.append({"path": path, "batch": batch, "context": context, "card": ns.card, "launches": n,
+                             "on_chain": len(path_names), "chain_by_source": counts})
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
