@@ -109,22 +109,24 @@ def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast")
         return fn.lower(on_card(state), rows, rows, on_card(cache)).compile().as_text()
 
 
-def chain(hlo_text: str) -> tuple[int, list[str], dict[str, int]]:
+def chain(hlo_text: str) -> tuple[int, list[tuple[str, str, str]], dict[str, int]]:
     """(launching instructions of the entry computation, its longest chain of dependent launches
-    (instruction names in order), that chain's launches per emitting source line, most first)."""
+    in order as (instruction, layer scope or "", emitting source line), that chain's launches per
+    source line, most first)."""
     insts = cp.entry_instructions(hlo_text)
     _, path = cp.critical_path(insts, {}, per_launch=1.0)
     sources = ms.hlo_sources(hlo_text)
     by_name = {i.name: i for i in insts}
+    layers = dict(re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="[^"]*?(layer_\d+)', hlo_text, re.MULTILINE))
 
     def label(inst):
         return ms._source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or cp.kernel_label(inst)
 
+    steps = [(name, layers.get(name, ""), label(by_name[name])) for name in path]
     counts: dict[str, int] = {}
-    for name in path:
-        key = label(by_name[name])
+    for _, _, key in steps:
         counts[key] = counts.get(key, 0) + 1
-    return sum(i.launches for i in insts), path, dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return sum(i.launches for i in insts), steps, dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _ints(s: str, flag: str) -> list[int]:
@@ -163,8 +165,8 @@ def main(argv=None) -> int:
                 for label, c in counts.items():
                     print(f"  {c:4d}  {label}")
                 if ns.chain:
-                    for name in path_names:
-                        print(f"    {name}")
+                    for name, layer, label in path_names:
+                        print(f"    {name:<40} {layer:<9} {label}")
                 if ns.hlo:
                     Path(ns.hlo).mkdir(parents=True, exist_ok=True)
                     (Path(ns.hlo) / f"decode_{path}_{batch}x{context}_{ns.card}.txt.gz").write_bytes(

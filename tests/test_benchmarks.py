@@ -565,7 +565,7 @@ def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
 def test_launch_count_chains_a_compiled_decode_step_by_source():
     """`launch_count.chain` on XLA's own optimized decode step (tiny width, CPU here): the chain's
     launches per source add up to the chain, which is no longer than the launches; project lines
-    name most of them."""
+    name most of them, and the chain runs through the layers in order."""
     from benchmarks import launch_count
 
     args = model_speed.bench_args(True, 1, 64, "auto")
@@ -578,6 +578,8 @@ def test_launch_count_chains_a_compiled_decode_step_by_source():
     assert list(counts.values()) == sorted(counts.values(), reverse=True)
     ours = sum(c for k, c in counts.items() if re.match(r"\w+\.py:\d+ ", k))
     assert ours >= len(path) // 2, counts
+    layers = [layer for _, layer, _ in path]
+    assert {"layer_0", "layer_5"} <= set(layers) and layers.index("layer_0") < layers.index("layer_5")
 
 
 def test_launch_count_describes_each_card_and_names_bad_flags(capsys):

@@ -571,9 +571,8 @@ def test_target_platform_makes_the_platform_choices_for_another_platform():
             assert resolve_attn_accumulate("auto") == "f32"
         assert resolve_attn_accumulate("auto") == "f64"
     assert platform() == "cpu" and resolve("auto", None, False) == (False, "gpu")
-    with pytest.raises(ValueError, match="target_platform must be one of"):
-        with target_platform("cuda"):
-            pass
+    with pytest.raises(ValueError, match="target_platform must be one of"), target_platform("cuda"):
+        pass
 
 
 @pytest.mark.parametrize("bad, match", [
