@@ -29,7 +29,10 @@ def target_platform(name: str):
     """Trace for `name` ("cpu", "gpu", "tpu") rather than the default backend: for compiling
     ahead of time for a platform this process has no device of (`benchmarks.launch_count`
     compiles the GPU program on a CPU-only host). Only the platform-dependent choices change;
-    the compile itself must still be asked of that platform (jit's lowering for its devices)."""
+    the compile itself must still be asked of that platform (jit's lowering for its devices).
+    jax caches traces without this setting in their key: a function traced under it keeps that
+    trace for later calls with the same shapes, so use it in a process that traces for that
+    platform only."""
     if name not in _PLATFORMS:
         raise ValueError(f"target_platform must be one of {_PLATFORMS}, got {name!r}")
     _target.append(name)
