@@ -41,6 +41,7 @@ class Inst:
     op: str  # opcode
     args: tuple[str, ...]  # operand instruction names
     kernel: str | None  # a Pallas / Triton custom call's kernel name ("fp8_matmul"), else None
+    wraps_sort: bool = False  # a fusion whose root is a sort (its kernels are named "sort_...")
 
     @property
     def launches(self) -> bool:
@@ -58,10 +59,25 @@ def _split_shape(rest: str) -> str:
     return rest.split(" ", 1)[1].strip() if " " in rest else ""
 
 
+def _sort_roots(hlo_text: str) -> set[str]:
+    """The names of the computations whose ROOT instruction is a sort."""
+    roots: set[str] = set()
+    comp = None
+    for line in hlo_text.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            comp = re.sub(r"^(ENTRY )?%?", "", line).split(" ")[0]
+        elif comp and line.lstrip().startswith("ROOT "):
+            m = _INST.match(line)
+            if m and re.match(r"sort\(", _split_shape(m.group(2))):
+                roots.add(comp)
+    return roots
+
+
 def entry_instructions(hlo_text: str) -> list[Inst]:
     """The ENTRY computation's instructions of an optimized (scheduled) HLO text, in order."""
     insts: list[Inst] = []
     inside = False
+    sort_roots = _sort_roots(hlo_text)
     for line in hlo_text.splitlines():
         if line.startswith("ENTRY"):
             inside = True
@@ -88,37 +104,82 @@ def entry_instructions(hlo_text: str) -> list[Inst]:
         if op.group(1) == "custom-call":
             k = re.search(r'name = \\?"([\w.]+)\\?"', body)
             kernel = k.group(1) if k else None
-        insts.append(Inst(m.group(1), op.group(1), args, kernel))
+        calls = re.search(r"calls=%?([\w.\-]+)", body)
+        wraps_sort = op.group(1) == "fusion" and calls is not None and calls.group(1) in sort_roots
+        insts.append(Inst(m.group(1), op.group(1), args, kernel, wraps_sort))
     if not insts:
         raise ValueError("no ENTRY computation in the HLO text")
     return insts
 
 
+# helper kernels that run before the kernel they serve (a sort's copy of its operand, a memset)
+_LEADING = re.compile(r"(memcpy|memset)", re.IGNORECASE)
+# kernels XLA emits for fusions (the trace names them after the fusion, numbered otherwise than in
+# the HLO text); a sort's passes are "sort_<n>_<m>"
+_XLA_EMITTED = re.compile(r"(loop|input|wrapped|gemm|fusion|triton)_|fusion\b")
+_SORT = re.compile(r"sort_\d")
+
+
 def align(insts: list[Inst], events: list[tuple[str, float]]) -> dict[str, float]:
     """One step's kernel events (name, duration), in start order -> duration per kernel-launching
-    instruction. Kernels run in schedule order, one event per instruction; a sort launches two (its
-    copy to the output buffer, "memcpy...", then the sort pass "sort_<n>_<m>"), which both count. A Pallas custom call
-    must meet an event of its kernel's name (XLA appends "__N" to repeats); any mismatch or
-    left-over event raises ValueError: the trace is not this HLO's schedule."""
+    instruction. Kernels run in schedule order, one event per instruction, each checked by kind: a
+    Pallas call's by its kernel name (XLA appends "__N" to repeats), an XLA fusion's by the names
+    XLA gives fusion kernels (a fusion around a sort: a sort pass), a library call's or a sort's
+    by being neither. Some instructions launch more than one kernel: a copy or memset before a
+    kernel counts to the instruction after it, any other kernel that is no fusion's and no Pallas
+    kernel's (a cuBLAS call's second kernel, a sort's second pass) to the instruction before it.
+    An event of the wrong kind, or one left over, raises ValueError: the trace is not this HLO's
+    schedule."""
     kernels = [i for i in insts if i.launches]
-    extra = len(events) - len(kernels)
-    if extra < 0:
+    if len(events) < len(kernels):
         raise ValueError(f"{len(events)} kernel events for {len(kernels)} kernel-launching instructions")
+    pallas = {i.kernel for i in kernels if i.kernel}
+
+    def base(name):
+        return re.sub(r"__\d+$", "", name)
+
+    def helper(name):
+        return not _LEADING.match(name) and base(name) not in pallas and not _XLA_EMITTED.match(name)
+
+    def fits(inst, name):
+        if inst.kernel:
+            return base(name) == inst.kernel
+        if inst.op == "fusion":
+            return bool(_SORT.match(name)) if inst.wraps_sort else bool(_XLA_EMITTED.match(name))
+        return inst.op == "copy" or helper(name)
+
+    def expected(inst):
+        if inst.kernel:
+            return f"kernel {inst.kernel!r}"
+        return "a sort's kernel" if inst.wraps_sort else f"a {inst.op}'s kernel"
+
     out: dict[str, float] = {}
-    j = 0
+    j, pending, last = 0, 0.0, None
     for inst in kernels:
-        name, dur = events[j]
-        j += 1
-        if inst.kernel and re.sub(r"__\d+$", "", name) != inst.kernel:
-            raise ValueError(f"event {j - 1} is {name!r}, the schedule has {inst.name} (kernel {inst.kernel!r})")
-        if name.startswith("memcpy") and extra > 0 and j < len(events) and re.fullmatch(r"sort_\d+_\d+",
-                                                                                        events[j][0]):
-            dur += events[j][1]
+        checked = inst.kernel is not None or inst.op == "fusion"
+        while j < len(events):
+            name, dur = events[j]
+            if fits(inst, name):
+                break
+            if _LEADING.match(name) and inst.op != "copy":
+                pending += dur
+            elif checked and last is not None and helper(name):
+                out[last] += dur
+            else:
+                break
             j += 1
-            extra -= 1
-        out[inst.name] = out.get(inst.name, 0.0) + dur
-    if j != len(events):
-        raise ValueError(f"{len(events) - j} kernel events left over after the schedule's last kernel")
+        if j == len(events):
+            raise ValueError(f"the kernel events end before {inst.name}, the schedule's kernel {len(out) + 1}")
+        name, dur = events[j]
+        if not fits(inst, name):
+            raise ValueError(f"event {j} is {name!r}, the schedule has {inst.name} ({expected(inst)})")
+        out[inst.name] = out.get(inst.name, 0.0) + dur + pending
+        j, pending, last = j + 1, 0.0, inst.name
+    left = [e for e in events[j:] if not helper(e[0])]
+    if left:
+        raise ValueError(f"{len(left)} kernel events left over after the schedule's last kernel ({left[0][0]!r})")
+    for name, dur in events[j:]:
+        out[last] += dur
     return out
 
 
@@ -189,7 +250,8 @@ def mean_seconds(insts: list[Inst], steps: list[list[tuple[str, float]]]) -> dic
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("hlo", help="optimized HLO text of the profiled program (.gz allowed)")
-    p.add_argument("events", help="JSON list of [name, start_ns, duration_ns] kernel events of whole steps")
+    p.add_argument("events", help="JSON list of [name, start_ns, duration_ns] kernel events of whole steps (.gz "
+                                  "allowed; model_speed's events_*.json.gz)")
     p.add_argument("--steps", type=int, default=1, help="how many steps the events hold")
     p.add_argument("--per-launch-us", type=float, default=0.0, help="cost added per dependent launch")
     p.add_argument("--top", type=int, default=20)
@@ -200,7 +262,9 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         p.error(f"{ns.hlo}: not an optimized HLO text with an ENTRY computation ({type(e).__name__}: {e})")
     try:
-        events = [(str(e[0]), e[1] * 1e-9, e[2] * 1e-9) for e in json.loads(Path(ns.events).read_text())]
+        raw = Path(ns.events).read_bytes()
+        raw = gzip.decompress(raw) if ns.events.endswith(".gz") else raw
+        events = [(str(e[0]), e[1] * 1e-9, e[2] * 1e-9) for e in json.loads(raw)]
     except (OSError, ValueError, TypeError, IndexError) as e:
         p.error(f"{ns.events}: not a JSON list of [name, start_ns, duration_ns] events ({type(e).__name__}: {e})")
     try:

@@ -866,7 +866,8 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
     time per emitting source line, and every op's time, launches and source in
     profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json (and the optimized
     HLO, gzipped, beside it). With `hlo_text` (the profiled program's optimized HLO), also its
-    critical path (`critical_path_rows`)."""
+    critical path (`critical_path_rows`), and the traced kernel events in
+    events_<decode|prefill>_<batch>x<context>.json.gz ([name, start_ns, duration_ns])."""
     import glob
     import tempfile
 
@@ -893,6 +894,9 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
                 alone_s=alone.get(op, 0) * 1e-9 / reps)
     if hlo_text is not None and events:  # (no device kernels traced on CPU)
         critical_path_rows(rep, name, batch, context, hlo_text, events, reps, sources or {}, top)
+        # the raw trace, for `python -m benchmarks.critical_path HLO EVENTS --steps reps` offline
+        (rep.out / f"events_{name.split()[0]}_{batch}x{context}{_path_suffix(name)}.json.gz").write_bytes(
+            gzip.compress(json.dumps([[n, t, d] for n, t, d in events]).encode()))
     if sources is None:
         return
     by_src: dict = {}

@@ -4,6 +4,7 @@ rows' fractions of the bandwidth rest on, and the prefill's FLOP count."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -260,7 +261,8 @@ def test_tma_probe_refuses_a_bad_stream_shape_with_the_flag_named(capsys):
 
 
 # an optimized-HLO entry in the GPU text format: a and b independent, c reads both, the Pallas
-# kernel d reads c, the sort e (two kernels) reads a, f reads d and e
+# kernel d reads c, the sort e (two kernels) reads a, f reads d and e (f's kernel is a's: XLA
+# deduplicates identical fusions)
 _CP_HLO = """HloModule m, is_scheduled=true
 
 %fused_a (p: f32[4]) -> f32[4] {
@@ -278,7 +280,7 @@ ENTRY %main.1 (x.1: f32[4], y.1: f32[4]) -> (f32[4], f32[4]) {
   %pallas_call.7 = f32[4]{0} custom-call(%get-tuple-element.1), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = \\"fp8_matmul\\", num_warps = 4}
   %sort.3 = f32[4]{0} sort(%fusion.a), dimensions={0}, to_apply=%fused_a
   %bitcast.2 = f32[4]{0} bitcast(%sort.3)
-  ROOT %fusion.f = (f32[4]{0}, f32[4]{0}) fusion(%pallas_call.7, %bitcast.2), kind=kLoop, calls=%fused_a
+  ROOT %fusion.f = (f32[4]{0}, f32[4]{0}) fusion(%pallas_call.7, %bitcast.2), kind=kLoop, calls=%fused_a, metadata={deduplicated_name="fusion.a"}
 }
 """
 _CP_EVENTS = [("fusion_a", 2.0), ("fusion_b", 5.0), ("fusion_c", 1.0), ("fp8_matmul__3", 10.0),
@@ -318,6 +320,54 @@ def test_critical_path_refuses_a_trace_that_is_not_the_schedule(events, message)
 
     with pytest.raises(ValueError, match=message):
         cp.align(cp.entry_instructions(_CP_HLO), events)
+
+
+# launches with more or fewer kernels than instructions, as an H100 traced them at batch 64: a
+# deduplicated fusion, a cuBLAS call with a second kernel, a sort wrapped in a fusion (a copy of
+# its operand, then the pass named after the sort), a copy, a memset before a fusion
+_CP_HLO2 = """HloModule m2, is_scheduled=true
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%fused_sort (q: s32[4]) -> (s32[4], s32[4]) {
+  %q = s32[4]{0} parameter(0)
+  %iota.1 = s32[4]{0} iota(), iota_dimension=0
+  ROOT %sort.84.1 = (s32[4]{0}, s32[4]{0}) sort(%q, %iota.1), dimensions={0}, to_apply=%cmp
+}
+
+ENTRY %main.2 (x.1: f32[4], i.1: s32[4]) -> f32[4] {
+  %x.1 = f32[4]{0} parameter(0)
+  %i.1 = s32[4]{0} parameter(1)
+  %input_reduce_fusion.9 = f32[4]{0} fusion(%x.1), kind=kInput, calls=%fused_a, metadata={deduplicated_name="input_reduce_fusion.2"}
+  %custom-call.13 = (f32[4]{0}, s8[64]{0}) custom-call(%input_reduce_fusion.9), custom_call_target="__cublas$lt$matmul"
+  %get-tuple-element.5 = f32[4]{0} get-tuple-element(%custom-call.13), index=0
+  %fusion.77 = (s32[4]{0}, s32[4]{0}) fusion(%i.1), kind=kCustom, calls=%fused_sort
+  %copy.3 = f32[4]{0} copy(%get-tuple-element.5)
+  ROOT %loop_add_fusion = f32[4]{0} fusion(%copy.3, %fusion.77), kind=kLoop, calls=%fused_a
+}
+"""
+_CP_EVENTS2 = [("input_reduce_fusion_2", 3.0), ("sm90_xmma_gemm_f64f64_cublas", 7.0), ("splitKreduce_kernel", 1.0),
+               ("memcpy32_post", 0.5), ("sort_84_1", 4.0), ("memcpy32_post", 0.25), ("Memset 0", 0.125),
+               ("loop_add_fusion", 2.0)]
+
+
+def test_critical_path_aligns_launches_of_several_kernels_by_name():
+    from benchmarks import critical_path as cp
+
+    insts = cp.entry_instructions(_CP_HLO2)
+    assert [i.name for i in insts if i.wraps_sort] == ["fusion.77"]
+    assert cp.align(insts, _CP_EVENTS2) == {"input_reduce_fusion.9": 3.0, "custom-call.13": 8.0, "fusion.77": 4.5,
+                                            "copy.3": 0.25, "loop_add_fusion": 2.125}
+    for events, message in (
+            (_CP_EVENTS2[:4] + [("loop_xor_fusion", 1.0)] + _CP_EVENTS2[4:], "event 4 is 'loop_xor_fusion'"),
+            (_CP_EVENTS2[:1] + _CP_EVENTS2[3:], "schedule has fusion.77"),  # the cuBLAS call's kernels missing
+            (_CP_EVENTS2[:-1], "end before loop_add_fusion"),
+            (_CP_EVENTS2 + [("memcpy32_post", 1.0)], "left over")):
+        with pytest.raises(ValueError, match=message):
+            cp.align(insts, events)
 
 
 def test_critical_path_reads_a_compiled_program_and_model_speed_reports_it(tmp_path):
@@ -399,6 +449,10 @@ def test_critical_path_cli_names_the_file_it_cannot_read(tmp_path, capsys):
     events.write_text(json.dumps([[n, i * 1000, int(d * 1000)] for i, (n, d) in enumerate(_CP_EVENTS)]))
     assert cp.main([str(hlo), str(events)]) == 0
     assert "3 of 6 kernels on the critical path: 34.0 us of 50.0 us kernel time" in capsys.readouterr().out
+    packed = tmp_path / "events.json.gz"  # as model_speed's profiles save them
+    packed.write_bytes(gzip.compress(events.read_bytes()))
+    assert cp.main([str(hlo), str(packed)]) == 0
+    assert "3 of 6 kernels on the critical path: 34.0 us" in capsys.readouterr().out
     for args, what in (([str(tmp_path / "missing.txt"), str(events)], "missing.txt: not an optimized HLO"),
                        ([str(events), str(events)], "events.json: not an optimized HLO"),
                        ([str(hlo), str(hlo)], "step.hlo.txt: not a JSON list"),
