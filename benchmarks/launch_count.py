@@ -94,7 +94,7 @@ def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast")
     """The optimized HLO text of `model_speed`'s six-layer full-width decode step (`Generator`'s
     context bound, every row at position context - 1) at `batch` rows, compiled for `card`.
     path: "fast" (kernels auto), "reference" (plain jnp), or a `model_speed.PATH_FLAGS` path."""
-    if path != "reference" and path != "fast" and path not in ms.PATH_FLAGS:
+    if path not in ("fast", "reference", *ms.PATH_FLAGS):
         raise ValueError(f"--paths: unknown path {path!r} (fast, reference, {', '.join(ms.PATH_FLAGS)})")
     sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
     args = ms.bench_args(False, batch, context, "reference" if path == "reference" else "auto",
@@ -118,11 +118,7 @@ def chain(hlo_text: str) -> tuple[int, list[tuple[str, str, str]], dict[str, int
     sources = ms.hlo_sources(hlo_text)
     by_name = {i.name: i for i in insts}
     layers = dict(re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="[^"]*?(layer_\d+)', hlo_text, re.MULTILINE))
-
-    def label(inst):
-        return ms._source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or cp.kernel_label(inst)
-
-    steps = [(name, layers.get(name, ""), label(by_name[name])) for name in path]
+    steps = [(name, layers.get(name, ""), ms.path_label(sources, by_name[name])) for name in path]
     counts: dict[str, int] = {}
     for _, _, key in steps:
         counts[key] = counts.get(key, 0) + 1
@@ -131,7 +127,7 @@ def chain(hlo_text: str) -> tuple[int, list[tuple[str, str, str]], dict[str, int
 
 def _ints(s: str, flag: str) -> list[int]:
     try:
-        out = [int(v) for v in s.split(",") if v]
+        out = ms._ints(s)
     except ValueError:
         out = []
     if not out or min(out) < 1:

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import critical_path as cp
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.generate import Generator, context_bucket, decode_compiler_options
@@ -810,6 +811,12 @@ def _source_of(sources: dict, op: str) -> str | None:
     return sources.get(op) or sources.get(re.sub(r"_\d+$", "", op))
 
 
+def path_label(sources: dict, inst: cp.Inst) -> str:
+    """A kernel-launching instruction's label in path rows: the project line that emitted it
+    (`hlo_sources`), else its Pallas kernel's name or its own name without the number."""
+    return _source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or cp.kernel_label(inst)
+
+
 def _save_hlo(rep, name: str, text: str):
     (rep.out / f"hlo_{name}.txt.gz").write_bytes(gzip.compress(text.encode()))
 
@@ -920,8 +927,6 @@ def critical_path_rows(rep, name, batch, context, hlo_text: str, events, reps: i
     its kernel time a step ("<name> critical path": what a concurrently scheduled graph of the same
     kernels cannot hide) and that time per emitting source line ("  path src ..."). A trace that
     does not follow the HLO's schedule gives a row with the reason instead."""
-    from benchmarks import critical_path as cp
-
     try:
         insts = cp.entry_instructions(hlo_text)
         secs = cp.mean_seconds(insts, cp.steps_of([(n, t * 1e-9, d * 1e-9) for n, t, d in events], reps))
@@ -934,10 +939,7 @@ def critical_path_rows(rep, name, batch, context, hlo_text: str, events, reps: i
             flops=0, fraction_of_ceiling=None, kernels_on_path=len(path), kernels_per_step=len(secs),
             kernel_time_s=sum(secs.values()))
 
-    def label(inst):
-        return _source_of(sources, re.sub(r"[.\-]", "_", inst.name)) or cp.kernel_label(inst)
-
-    for src, (t, n) in list(cp.path_by_source(path, insts, secs, label).items())[:top]:
+    for src, (t, n) in list(cp.path_by_source(path, insts, secs, lambda i: path_label(sources, i)).items())[:top]:
         rep.add(name=f"  path src {src[:53]}", batch=batch, context=context, seconds=t, bytes=0, flops=0,
                 fraction_of_ceiling=None, launches_per_step=n)
 
