@@ -973,7 +973,7 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
             return nnx.merge(gd, st).decode(x, pre, shared, c, pos)
 
         f = jax.jit(run, donate_argnums=(4,))
-        x2, pre2, shared2, c2, _ = f(blk_st, x, pre, shared, layers[i], pos)
+        x2, pre2, shared2, c2 = f(blk_st, x, pre, shared, layers[i], pos)[:4]
         holder = {"c": c2}
 
         def call():

@@ -39,6 +39,20 @@ def hc_post(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array)
     return cast(y, f.dtype)
 
 
+def hc_post_pre(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array,
+                pre: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(out, hc_pre(out, pre)) for out = hc_post(f, residual, post, comb): the new stream [b, s, hc,
+    d] and the next sublayer's collapsed input [b, s, d], bit for bit the two calls.
+
+    The collapse is formed from f and residual again rather than from out (post and comb pass an
+    optimization barrier, so XLA keeps the two computations apart instead of merging them), so on
+    GPUs its kernel does not wait for the kernel that writes the new stream: one launch fewer on
+    a decode step's chain of dependent launches per sublayer (benchmarks/README.md)."""
+    out = hc_post(f, residual, post, comb)
+    post_, comb_ = jax.lax.optimization_barrier((post, comb))
+    return out, hc_pre(hc_post(f, residual, post_, comb_), pre)
+
+
 def identity_pre_mix(b: int, s: int, hc: int) -> jax.Array:
     """One-hot mix on copy 0, f32 [b, s, hc]: block 0's attention input is copy 0."""
     return jnp.zeros((b, s, hc), jnp.float32).at[..., 0].set(1.0)

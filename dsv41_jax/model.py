@@ -29,7 +29,7 @@ from dsv41_jax.cache import cache_max_seq_len
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.engram import Engram, EngramLayout, engram_hash
 from dsv41_jax.layers import Embedding, Linear, RMSNorm
-from dsv41_jax.mhc import hc_mixes, hc_post, hc_pre, identity_pre_mix
+from dsv41_jax.mhc import hc_mixes, hc_post_pre, hc_pre, identity_pre_mix
 from dsv41_jax.moe import MoE
 
 
@@ -67,67 +67,72 @@ class Block(nnx.Module):
             implementation=a.kernels, interpret=a.kernels_interpret,
         )
 
-    def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend):
+    def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend,
+                 collapsed: jax.Array | None):
         """The block around an attention call `attend(h) -> (out, extra)`; returns (x, this
-        block's FFN pre-mix, extra, MoE aux)."""
+        block's FFN pre-mix, hc_pre(x, that pre-mix), extra, MoE aux). `collapsed`, when given,
+        is hc_pre(x, pre_mix) (the previous block's third result; `mhc.hc_post_pre`)."""
         residual = x
         attn_pre, attn_post, attn_comb = self._mixes(x, "attn")
-        h, extra = attend(self.attn_norm(hc_pre(x, pre_mix)))
-        x = hc_post(h, residual, attn_post, attn_comb)
+        h, extra = attend(self.attn_norm(hc_pre(x, pre_mix) if collapsed is None else collapsed))
+        x, h = hc_post_pre(h, residual, attn_post, attn_comb, attn_pre)
 
         residual = x
         ffn_pre, ffn_post, ffn_comb = self._mixes(x, "ffn")
-        h = self.ffn_norm(hc_pre(x, attn_pre))
-        h, moe_aux = self.ffn(h, image_mask)
-        x = hc_post(h, residual, ffn_post, ffn_comb)
-        return x, ffn_pre, extra, moe_aux
+        h, moe_aux = self.ffn(self.ffn_norm(h), image_mask)
+        x, collapsed = hc_post_pre(h, residual, ffn_post, ffn_comb, ffn_pre)
+        return x, ffn_pre, collapsed, extra, moe_aux
 
-    def __call__(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None):
+    def __call__(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None, *,
+                 collapsed: jax.Array | None = None):
         """Prefill without caches. x [b, s, hc, d] bf16, pre_mix [b, s, hc] f32 (from the previous
-        block's FFN mixes).
+        block's FFN mixes); collapsed: hc_pre(x, pre_mix) [b, s, d] bf16 when the caller has it
+        (the previous block's last result), else formed here.
 
-        Returns (x [b, s, hc, d] bf16, this block's FFN `pre` [b, s, hc] f32, shared, aux).
+        Returns (x [b, s, hc, d] bf16, this block's FFN `pre` [b, s, hc] f32, shared, aux,
+        hc_pre(x, pre) [b, s, d] bf16: the next block's `collapsed`).
         """
         def attend(h):
             out, new_shared, aux = self.attn(h, shared)
             return out, (new_shared, aux)
 
-        x, pre, (shared, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
-        return x, pre, shared, {**aux, **moe_aux}
+        x, pre, nxt, (shared, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend, collapsed)
+        return x, pre, shared, {**aux, **moe_aux}, nxt
 
     def prefill(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None,
-                cache: dict, lengths: jax.Array):
+                cache: dict, lengths: jax.Array, *, collapsed: jax.Array | None = None):
         """`__call__` that also seeds this layer's cache (see `Attention.prefill`); lengths int32
-        [b]. Returns (x, pre, shared, cache, aux)."""
+        [b]. Returns (x, pre, shared, cache, aux, next collapsed)."""
         def attend(h):
             out, new_shared, new_cache, aux = self.attn.prefill(h, shared, cache, lengths)
             return out, (new_shared, new_cache, aux)
 
-        x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
-        return x, pre, shared, cache, {**aux, **moe_aux}
+        x, pre, nxt, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend, collapsed)
+        return x, pre, shared, cache, {**aux, **moe_aux}, nxt
 
     def chunk(self, x: jax.Array, pre_mix: jax.Array, shared: dict, image_mask: jax.Array | None,
-              cache: dict | None, start: jax.Array, lengths: jax.Array):
+              cache: dict | None, start: jax.Array, lengths: jax.Array, *, collapsed: jax.Array | None = None):
         """A span of positions start[b] .. start[b]+c-1 per row (see `Attention.chunk`): x
         [b, c, hc, d], pre_mix [b, c, hc], image_mask [b, c] or None, cache = this layer's entry
-        (None: decoder-half replay). Returns (x, pre, shared, cache, aux)."""
+        (None: decoder-half replay). Returns (x, pre, shared, cache, aux, next collapsed)."""
         def attend(h):
             out, new_shared, new_cache, aux = self.attn.chunk(h, shared, cache, start, lengths)
             return out, (new_shared, new_cache, aux)
 
-        x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend)
-        return x, pre, shared, cache, {**aux, **moe_aux}
+        x, pre, nxt, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, image_mask, attend, collapsed)
+        return x, pre, shared, cache, {**aux, **moe_aux}, nxt
 
     def decode(self, x: jax.Array, pre_mix: jax.Array, shared: dict, cache: dict, pos: jax.Array,
-               reference_compat: bool | jax.Array = False, context_bound: int | None = None):
+               reference_compat: bool | jax.Array = False, context_bound: int | None = None, *,
+               collapsed: jax.Array | None = None):
         """One token per row: x [b, 1, hc, d], pre_mix [b, 1, hc], pos int32 [b], cache = this
-        layer's entry. Returns (x, pre, shared, cache, aux); see `Attention.decode`."""
+        layer's entry. Returns (x, pre, shared, cache, aux, next collapsed); see `Attention.decode`."""
         def attend(h):
             out, new_shared, new_cache, aux = self.attn.decode(h, shared, cache, pos, reference_compat, context_bound)
             return out, (new_shared, new_cache, aux)
 
-        x, pre, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, None, attend)
-        return x, pre, shared, cache, {**aux, **moe_aux}
+        x, pre, nxt, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, None, attend, collapsed)
+        return x, pre, shared, cache, {**aux, **moe_aux}, nxt
 
 
 # aux names that differ from the golden arrays' names
@@ -176,10 +181,10 @@ class Transformer(nnx.Module):
             hashes, _ = engram_hash(ids, 0, history, engram_mask, self.engram_layout, self.token_map[...])
         shared: dict = {}
 
-        def step(layer, x, pre_mix):
+        def step(layer, x, pre_mix, collapsed):
             nonlocal shared
-            x, pre_mix, shared, aux = layer(x, pre_mix, shared, image_mask)
-            return x, pre_mix, aux
+            x, pre_mix, shared, aux, collapsed = layer(x, pre_mix, shared, image_mask, collapsed=collapsed)
+            return x, pre_mix, collapsed, aux
 
         record = {}
         x, pre_mix = self._stack(self._embed(ids, embeds), hashes, engram_mask, step, record if collect else None)
@@ -242,18 +247,19 @@ class Transformer(nnx.Module):
             span_start = st
             return x, pre_mix, hashes, emask
 
-        def step(layer, x, pre_mix):
+        def step(layer, x, pre_mix, collapsed):
             nonlocal shared
             i = layer.layer_id
             if i >= first_replayed:
-                x, pre_mix, shared, ring, aux = layer.chunk(x, pre_mix, shared, image_mask, None, span_start,
-                                                            lengths - span_start)
+                x, pre_mix, shared, ring, aux, collapsed = layer.chunk(
+                    x, pre_mix, shared, image_mask, None, span_start, lengths - span_start, collapsed=collapsed)
                 layers[i] = {**layers[i], "window_kv": ring["window_kv"].astype(layers[i]["window_kv"].dtype)}
-                return x, pre_mix, aux
-            x, pre_mix, shared, layers[i], aux = layer.prefill(x, pre_mix, shared, image_mask, layers[i], lengths)
+                return x, pre_mix, collapsed, aux
+            x, pre_mix, shared, layers[i], aux, collapsed = layer.prefill(x, pre_mix, shared, image_mask, layers[i],
+                                                                          lengths, collapsed=collapsed)
             if self.args.is_index_source(i):
                 aux["index_k_owner"] = jnp.asarray(self.args.kv_source_of(i), jnp.int32)  # every owner publishes
-            return x, pre_mix, aux
+            return x, pre_mix, collapsed, aux
 
         record = {} if collect else None
         if collect and hashes is not None:
@@ -294,11 +300,12 @@ class Transformer(nnx.Module):
         shared: dict = {}
         layers = list(cache["layers"])
 
-        def step(layer, x, pre_mix):
+        def step(layer, x, pre_mix, collapsed):
             nonlocal shared
             i = layer.layer_id
-            x, pre_mix, shared, layers[i], aux = layer.chunk(x, pre_mix, shared, image_mask, layers[i], start, lengths)
-            return x, pre_mix, aux
+            x, pre_mix, shared, layers[i], aux, collapsed = layer.chunk(x, pre_mix, shared, image_mask, layers[i],
+                                                                        start, lengths, collapsed=collapsed)
+            return x, pre_mix, collapsed, aux
 
         record = {} if collect else None
         if collect and hashes is not None:
@@ -357,12 +364,12 @@ class Transformer(nnx.Module):
             shared["index_k_owner"] = jnp.full((b,), owner, jnp.int32)
         layers = list(cache["layers"])
 
-        def step(layer, x, pre_mix):
+        def step(layer, x, pre_mix, collapsed):
             nonlocal shared
             i = layer.layer_id
-            x, pre_mix, shared, layers[i], aux = layer.decode(x, pre_mix, shared, layers[i], pos, reference_compat,
-                                                              context_bound)
-            return x, pre_mix, aux
+            x, pre_mix, shared, layers[i], aux, collapsed = layer.decode(
+                x, pre_mix, shared, layers[i], pos, reference_compat, context_bound, collapsed=collapsed)
+            return x, pre_mix, collapsed, aux
 
         record = {} if collect else None
         if collect and hashes is not None:
@@ -390,22 +397,28 @@ class Transformer(nnx.Module):
     def _stack(self, x: jax.Array, hashes: jax.Array | None, engram_mask: jax.Array | None, step,
                record: dict | None, narrow=None) -> tuple[jax.Array, jax.Array]:
         """Engram + blocks over the stream x [b, s, hc, d], starting from the identity pre-mix;
-        `step(layer, x, pre_mix) -> (x, pre_mix, aux)` runs one block; `narrow(i, x, pre_mix,
-        hashes, engram_mask)`, when given, may replace those four before block i (replay). Returns
-        the final (x, pre_mix); fills `record` (golden key names) when given."""
+        `step(layer, x, pre_mix, collapsed) -> (x, pre_mix, collapsed, aux)` runs one block, where
+        `collapsed` is hc_pre(x, pre_mix) as the previous block formed it, or None where x has
+        changed since (an Engram, `narrow`); `narrow(i, x, pre_mix, hashes, engram_mask)`, when
+        given, may replace those four before block i (replay). Returns the final (x, pre_mix);
+        fills `record` (golden key names) when given."""
         a = self.args
         b, s = x.shape[:2]
         pre_mix = identity_pre_mix(b, s, a.hc_mult)
+        collapsed = None
         for i, layer in enumerate(self.layers):
             tag = f"L{i:02d}"
             if narrow is not None:
-                x, pre_mix, hashes, engram_mask = narrow(i, x, pre_mix, hashes, engram_mask)
+                narrowed = narrow(i, x, pre_mix, hashes, engram_mask)
+                if narrowed[0] is not x:
+                    collapsed = None
+                x, pre_mix, hashes, engram_mask = narrowed
             with jax.named_scope(f"layer_{i}"):
                 if layer.engram is not None:
-                    x = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], engram_mask)
+                    x, collapsed = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], engram_mask), None
                     if record is not None:
                         record[f"engram_out.{tag}"] = x
-                x, pre_mix, aux = step(layer, x, pre_mix)
+                x, pre_mix, collapsed, aux = step(layer, x, pre_mix, collapsed)
             if record is not None:
                 record[f"block_out.{tag}"] = x
                 record[f"block_premix.{tag}"] = pre_mix

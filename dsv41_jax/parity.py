@@ -94,7 +94,7 @@ def load_model(gs: GoldenSet, **overrides) -> Transformer:
 
 @nnx.jit
 def _run_block(block, x, pre_mix, shared, image_mask):
-    return block(x, pre_mix, shared, image_mask)
+    return block(x, pre_mix, shared, image_mask)[:4]
 
 
 @nnx.jit
@@ -200,7 +200,7 @@ def _tf_prefill(model, ids, token_types, cache, xs, pres, eng):
     shared: dict = {}
     for i, layer in enumerate(model.layers):
         x = eng[i] if layer.engram is not None else xs[i]  # prefill Engram parity: teacher_forced_prefill
-        _, _, shared, layers[i], _ = layer.prefill(x, pres[i], shared, image_mask, layers[i], lengths)
+        _, _, shared, layers[i], _, _ = layer.prefill(x, pres[i], shared, image_mask, layers[i], lengths)
     cache["layers"], cache["seq_len"] = layers, lengths
     return cache
 
@@ -225,7 +225,7 @@ def _tf_decode(model, ids, pos, cache, xs, pres, eng, final, compat):
         if layer.engram is not None:
             rec[f"engram_out.{_tag(i)}"] = layer.engram(x, hashes[:, :, a.engram_table_index(i), :], None)
             x = eng[i]
-        out, pre, shared, layers[i], aux = layer.decode(x, pres[i], shared, layers[i], pos, compat)
+        out, pre, shared, layers[i], aux, _ = layer.decode(x, pres[i], shared, layers[i], pos, compat)
         rec[f"block_out.{_tag(i)}"], rec[f"block_premix.{_tag(i)}"] = out, pre
         rec.update({f"{_AUX_NAMES.get(k, k)}.{_tag(i)}": v for k, v in aux.items()})
     rec["logits"] = model.logits(*final)

@@ -1,9 +1,12 @@
-"""Hyper-connections: Sinkhorn split order and epsilons, hc_pre / hc_post contraction direction."""
+"""Hyper-connections: Sinkhorn split order and epsilons, hc_pre / hc_post contraction direction,
+hc_post_pre's collapse."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from dsv41_jax.mhc import hc_post, hc_pre, identity_pre_mix
+from dsv41_jax.mhc import hc_post, hc_post_pre, hc_pre, identity_pre_mix
 from pallas_kernels.sinkhorn.reference import hc_split_sinkhorn
 
 HC, ITERS, EPS = 4, 20, 1e-6
@@ -88,3 +91,25 @@ def test_hc_pre_sums_in_f32_then_rounds_once_to_bf16():
     # 0.5 * (1 + 2^-7) + 0.5 * 1 = 1 + 2^-8: a tie in bf16 that rounds to even (1.0)
     np.testing.assert_array_equal(np.asarray(y, np.float32), 1.0)
     np.testing.assert_array_equal(np.asarray(identity_pre_mix(1, 2, HC))[..., 0], 1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5120), (2, 3, 64)])
+def test_hc_post_pre_is_hc_post_then_hc_pre_bit_for_bit(shape):
+    """The collapse hc_post_pre forms from f and the residual again is the collapse of the stream
+    it returns, bit for bit, compiled (on a GPU: two kernels, the same bits)."""
+    b, s, d = shape
+    rng = np.random.default_rng(5)
+    f = jnp.asarray(rng.normal(size=(b, s, d)) * 3, jnp.bfloat16)
+    res = jnp.asarray(rng.normal(size=(b, s, HC, d)) * 3, jnp.bfloat16)
+    post = jnp.asarray(rng.uniform(0, 2, size=(b, s, HC)), jnp.float32)
+    comb = jnp.asarray(rng.uniform(size=(b, s, HC, HC)), jnp.float32)
+    pre = jnp.asarray(rng.uniform(size=(b, s, HC)), jnp.float32)
+    x, c = jax.jit(hc_post_pre)(f, res, post, comb, pre)
+    x_want = jax.jit(hc_post)(f, res, post, comb)
+    c_want = jax.jit(hc_pre)(x_want, pre)
+    assert x.dtype == c.dtype == jnp.bfloat16 and c.shape == (b, s, d)
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(x_want, np.float32))
+    np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(c_want, np.float32))
+    # the collapse reads the new stream's copies: another pre gives another result
+    c_other = jax.jit(hc_pre)(x_want, pre[..., ::-1])
+    assert np.abs(np.asarray(c, np.float32) - np.asarray(c_other, np.float32)).max() > 0
