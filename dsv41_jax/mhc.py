@@ -39,16 +39,25 @@ def hc_post(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array)
     return cast(y, f.dtype)
 
 
+# rows (b * s) up to which `hc_post_pre` forms the collapse from f and the residual again
+RECOMPUTE_ROWS = 32
+
+
 def hc_post_pre(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array,
                 pre: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(out, hc_pre(out, pre)) for out = hc_post(f, residual, post, comb): the new stream [b, s, hc,
     d] and the next sublayer's collapsed input [b, s, d], bit for bit the two calls.
 
-    The collapse is formed from f and residual again rather than from out (post and comb pass an
-    optimization barrier, so XLA keeps the two computations apart instead of merging them), so on
-    GPUs its kernel does not wait for the kernel that writes the new stream: one launch fewer on
-    a decode step's chain of dependent launches per sublayer (benchmarks/README.md)."""
+    Up to RECOMPUTE_ROWS rows the collapse is formed from f and residual again rather than from
+    out (post and comb pass an optimization barrier, so XLA keeps the two computations apart), so
+    on GPUs its kernel does not wait for the kernel that writes the new stream: one launch fewer
+    per sublayer on a decode step's chain of dependent launches at 1-32 rows (XLA then also
+    repeats the small split-K sum of f's projection in both kernels). At 64 rows XLA writes that
+    sum once for the two and the chain grows by one launch a layer instead, and for prefill the
+    second read of the stream is not worth it (benchmarks/README.md, thirtieth session)."""
     out = hc_post(f, residual, post, comb)
+    if f.shape[0] * f.shape[1] > RECOMPUTE_ROWS:
+        return out, hc_pre(out, pre)
     post_, comb_ = jax.lax.optimization_barrier((post, comb))
     return out, hc_pre(hc_post(f, residual, post_, comb_), pre)
 
