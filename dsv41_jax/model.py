@@ -410,7 +410,7 @@ class Transformer(nnx.Module):
             tag = f"L{i:02d}"
             if narrow is not None:
                 narrowed = narrow(i, x, pre_mix, hashes, engram_mask)
-                if narrowed[0] is not x:
+                if narrowed[0] is not x or narrowed[1] is not pre_mix:
                     collapsed = None
                 x, pre_mix, hashes, engram_mask = narrowed
             with jax.named_scope(f"layer_{i}"):

@@ -129,6 +129,30 @@ def test_full_prefill_compiles_once_per_shape_and_tracks_reference(golden):
           "argmax equal:", (logits.argmax(-1) == golden["prefill.next_token"]).tolist())
 
 
+@pytest.mark.parametrize("width", [8, 64])
+def test_collapsed_hand_off_equals_each_block_collapsing_its_own_input(golden, width, monkeypatch):
+    """Blocks hand the next block hc_pre of its input (`mhc.hc_post_pre`: formed again from the
+    FFN output up to RECOMPUTE_ROWS rows, 2 x 8 here; from the new stream at 2 x 64), and an
+    Engram between two blocks changes the stream, so the hand-off is dropped there. The whole
+    forward equals, bit for bit, a stack where every block collapses its own input."""
+    from dsv41_jax.mhc import RECOMPUTE_ROWS
+    from dsv41_jax.model import Block
+
+    assert golden.args.engram_layer_ids, "the golden configs put an Engram between blocks"
+    model = _model(str(golden.path))
+    ids, token_types = _inputs(golden)
+    ids = ids[:, :width]
+    assert (ids.shape[0] * width <= RECOMPUTE_ROWS) == (width == 8)
+    fwd = nnx.jit(lambda m, i: m(i, all_logits=True))
+    handed = np.asarray(fwd(model, ids))
+    call = Block.__call__
+    monkeypatch.setattr(Block, "__call__", lambda self, *a, collapsed=None, **k: call(self, *a, **k))
+    jax.clear_caches()
+    own = np.asarray(nnx.jit(lambda m, i: m(i, all_logits=True))(model, ids))
+    monkeypatch.undo()
+    np.testing.assert_array_equal(handed, own)
+
+
 def test_parity_cli_writes_golden_keys_and_encodings(tmp_path, capsys):
     gs = GoldenSet(parity.GoldenSet(_first_golden()).path)
     out = tmp_path / "result.npz"
