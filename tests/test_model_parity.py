@@ -140,7 +140,7 @@ def test_collapsed_hand_off_equals_each_block_collapsing_its_own_input(golden, w
 
     assert golden.args.engram_layer_ids, "the golden configs put an Engram between blocks"
     model = _model(str(golden.path))
-    ids, token_types = _inputs(golden)
+    ids, _ = _inputs(golden)
     ids = ids[:, :width]
     assert (ids.shape[0] * width <= RECOMPUTE_ROWS) == (width == 8)
     fwd = nnx.jit(lambda m, i: m(i, all_logits=True))
