@@ -566,20 +566,25 @@ class Attention(nnx.Module):
         pos = jnp.asarray(pos)
         return rope_angles(np.asarray(self.freqs, np.float32), pos[:, None] if pos.ndim == 1 else pos)
 
-    def query_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    def query_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 pre_norm: tuple[jax.Array, RMSNorm] | None = None) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qi bf16 [b, s, ih*ihd] or None,
         kv bf16 [b, s, hd]). qr = q_norm(wq_a(x)), q = wq_b(qr), qi = indexer.wq_b(qr) on index
-        sources (both projections of qr in one kernel launch where the fp8 kernel runs:
-        `apply_linears`); kv = kv_norm(wkv(x)), RoPE, then
+        sources (both projections of qr in one kernel launch where the fp8 kernel runs, which
+        applies q_norm to a single row itself: `apply_linears`); kv = kv_norm(wkv(x)), RoPE, then
         FP8 QDQ (32, UE8M0) over the whole vector, RoPE tail included. wq_a and wkv read the same
-        x: one fp8 kernel launch (`layers.apply_linears`)."""
+        x: one fp8 kernel launch (`layers.apply_linears`). pre_norm: (x before its norm, the norm)
+        with x = norm(that): the launch then takes the row before the norm (and applies the norm
+        itself to a single row)."""
         b, s, _ = x.shape
-        qa, kv = apply_linears(x, (self.wq_a, self.wkv))
-        qr = self.q_norm(qa)
-        if self.indexer is not None:
-            q, qi = apply_linears(qr, (self.wq_b, self.indexer.wq_b))
+        if pre_norm is None:
+            qa, kv = apply_linears(x, (self.wq_a, self.wkv))
         else:
-            q, qi = self.wq_b(qr), None
+            qa, kv = apply_linears(pre_norm[0], (self.wq_a, self.wkv), norm=pre_norm[1])
+        if self.indexer is not None:
+            q, qi = apply_linears(qa, (self.wq_b, self.indexer.wq_b), norm=self.q_norm)
+        else:
+            (q,), qi = apply_linears(qa, (self.wq_b,), norm=self.q_norm), None
         q = q.reshape(b, s, self.n_heads, self.head_dim)
         kv = apply_rope(self.kv_norm(kv), cos, sin, self.rope_dim)
         return apply_rope(q, cos, sin, self.rope_dim), qi, quant.act_quant_dequant(kv, QUANT_BLOCK)
@@ -780,10 +785,13 @@ class Attention(nnx.Module):
     # ------------------------------------------------------------------ decode
 
     def decode(self, x: jax.Array, shared: dict, cache: dict, pos: jax.Array,
-               reference_compat: bool | jax.Array = False, context_bound: int | None = None):
+               reference_compat: bool | jax.Array = False, context_bound: int | None = None,
+               pre_norm: tuple[jax.Array, RMSNorm] | None = None):
         """One new token per row at its own position. x bf16 [b, 1, dim], pos int32 [b], cache =
         this layer's entry of `dsv41_jax.cache` -> (out bf16 [b, 1, dim], shared, cache, aux).
         context_bound: see `Indexer.decode` (same results; less index scoring when it is small).
+        pre_norm: (the row before the block's attention norm, that norm), x being its output:
+        wq_a and wkv then take the row before the norm (`query_kv`).
 
         The token's window KV goes into ring slot pos % window and the query attends over the
         whole ring (slots holding positions > pos are -1), then over the selected compressed rows
@@ -797,7 +805,7 @@ class Attention(nnx.Module):
             _require(shared, key, self.layer_id)
         pos = jnp.asarray(pos, jnp.int32)
         cos, sin = self.rope_rows(pos)
-        q, qi, kv = self.query_kv(x, cos, sin)
+        q, qi, kv = self.query_kv(x, cos, sin, pre_norm)
         cache["window_kv"] = ring = write_row(cache["window_kv"], pos % self.window, kv[:, 0])
         kv = ring
         idx = jax.vmap(lambda p: window_topk_idxs(self.window, 1, p))(pos)  # [b, 1, window]

@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.config import QUANT_BLOCK, ceil_div
-from dsv41_jax.numerics import cast, mean, reciprocal_sqrt
+from dsv41_jax.numerics import cast, rms_norm
 from pallas_kernels.fp8_matmul import api as fp8_matmul
 
 WeightDtype = Literal["fp8", "fp4", "bf16", "fp32"]
@@ -92,21 +92,25 @@ def apply_linear(x: jax.Array, w: jax.Array, s: jax.Array | None, dtype: WeightD
     return cast(y, out_dtype)
 
 
-def apply_linears(x: jax.Array, linears: tuple[Linear, ...]) -> tuple[jax.Array, ...]:
-    """tuple(lin(x) for lin in linears), with fp8 matrices of the same input in one kernel launch
-    where the fp8 kernel runs (`fp8_matmul.linear_many`: the rows quantised once, the weights
-    streamed together; its K splits are picked for the combined grid, so on that path a result
-    may differ from its own call only in the order of its fp32 sums). Other dtypes, the reference
-    path and stacked weights: one call each."""
+def apply_linears(x: jax.Array, linears: tuple[Linear, ...], norm: RMSNorm | None = None) -> tuple[jax.Array, ...]:
+    """tuple(lin(x) for lin in linears), or of lin(norm(x)) with `norm`; fp8 matrices of the
+    same input in one kernel launch where the fp8 kernel runs (`fp8_matmul.linear_many`: the
+    rows quantised once, a single row normalised there too, the weights streamed together; its K
+    splits are picked for the combined grid, so on that path a result may differ from its own
+    call only in the order of its fp32 sums). Other dtypes, the reference path and stacked
+    weights: the norm, then one call each."""
     lead = linears[0]
-    fused = len(linears) > 1 and lead.kernels != "reference" and all(
+    fused = (len(linears) > 1 or norm is not None) and lead.kernels != "reference" and all(
         lin.dtype == "fp8" and lin.weight.ndim == 2 and lin.in_features == lead.in_features
         and (lin.kernels, lin.kernels_interpret) == (lead.kernels, lead.kernels_interpret) for lin in linears)
     if not fused:
+        x = x if norm is None else norm(x)
         return tuple(lin(x) for lin in linears)
     return fp8_matmul.linear_many(x, tuple(lin.weight[...] for lin in linears),
                                   tuple(lin.scale[...] for lin in linears), implementation=lead.kernels,
-                                  interpret=lead.kernels_interpret)
+                                  interpret=lead.kernels_interpret,
+                                  norm_weight=None if norm is None else norm.weight[...],
+                                  norm_eps=None if norm is None else norm.eps)
 
 
 class RMSNorm(nnx.Module):
@@ -118,12 +122,6 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    var = mean(jnp.square(xf), axis=-1, keepdims=True)
-    return cast(w.astype(jnp.float32) * (xf * reciprocal_sqrt(var + jnp.float32(eps))), x.dtype)
 
 
 class Embedding(nnx.Module):

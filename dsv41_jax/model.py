@@ -69,12 +69,13 @@ class Block(nnx.Module):
 
     def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend,
                  collapsed: jax.Array | None):
-        """The block around an attention call `attend(h) -> (out, extra)`; returns (x, this
+        """The block around an attention call `attend(attn_norm(h), h) -> (out, extra)`; returns (x, this
         block's FFN pre-mix, hc_pre(x, that pre-mix), extra, MoE aux). `collapsed`, when given,
         is hc_pre(x, pre_mix) (the previous block's third result; `mhc.hc_post_pre`)."""
         residual = x
         attn_pre, attn_post, attn_comb = self._mixes(x, "attn")
-        h, extra = attend(self.attn_norm(hc_pre(x, pre_mix) if collapsed is None else collapsed))
+        h = hc_pre(x, pre_mix) if collapsed is None else collapsed
+        h, extra = attend(self.attn_norm(h), h)
         x, h = hc_post_pre(h, residual, attn_post, attn_comb, attn_pre)
 
         residual = x
@@ -92,7 +93,7 @@ class Block(nnx.Module):
         Returns (x [b, s, hc, d] bf16, this block's FFN `pre` [b, s, hc] f32, shared, aux,
         hc_pre(x, pre) [b, s, d] bf16: the next block's `collapsed`).
         """
-        def attend(h):
+        def attend(h, _):
             out, new_shared, aux = self.attn(h, shared)
             return out, (new_shared, aux)
 
@@ -103,7 +104,7 @@ class Block(nnx.Module):
                 cache: dict, lengths: jax.Array, *, collapsed: jax.Array | None = None):
         """`__call__` that also seeds this layer's cache (see `Attention.prefill`); lengths int32
         [b]. Returns (x, pre, shared, cache, aux, next collapsed)."""
-        def attend(h):
+        def attend(h, _):
             out, new_shared, new_cache, aux = self.attn.prefill(h, shared, cache, lengths)
             return out, (new_shared, new_cache, aux)
 
@@ -115,7 +116,7 @@ class Block(nnx.Module):
         """A span of positions start[b] .. start[b]+c-1 per row (see `Attention.chunk`): x
         [b, c, hc, d], pre_mix [b, c, hc], image_mask [b, c] or None, cache = this layer's entry
         (None: decoder-half replay). Returns (x, pre, shared, cache, aux, next collapsed)."""
-        def attend(h):
+        def attend(h, _):
             out, new_shared, new_cache, aux = self.attn.chunk(h, shared, cache, start, lengths)
             return out, (new_shared, new_cache, aux)
 
@@ -127,8 +128,9 @@ class Block(nnx.Module):
                collapsed: jax.Array | None = None):
         """One token per row: x [b, 1, hc, d], pre_mix [b, 1, hc], pos int32 [b], cache = this
         layer's entry. Returns (x, pre, shared, cache, aux, next collapsed); see `Attention.decode`."""
-        def attend(h):
-            out, new_shared, new_cache, aux = self.attn.decode(h, shared, cache, pos, reference_compat, context_bound)
+        def attend(h, raw):  # the fp8 projections of a single row apply attn_norm themselves
+            out, new_shared, new_cache, aux = self.attn.decode(h, shared, cache, pos, reference_compat, context_bound,
+                                                               pre_norm=(raw, self.attn_norm))
             return out, (new_shared, new_cache, aux)
 
         x, pre, nxt, (shared, cache, aux), moe_aux = self._forward(x, pre_mix, None, attend, collapsed)

@@ -107,6 +107,14 @@ def reciprocal_sqrt(x: jax.Array) -> jax.Array:
     return exact_div(jnp.ones_like(x), sqrt(x))
 
 
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """The reference's RMSNorm: x [..., K], w [K] -> x.dtype [..., K] = w * (x / sqrt(mean(x^2) + eps))
+    in fp32 (the mean, root and reciprocal each correctly rounded), cast back to x.dtype."""
+    xf = x.astype(jnp.float32)
+    var = mean(jnp.square(xf), axis=-1, keepdims=True)
+    return cast(w.astype(jnp.float32) * (xf * reciprocal_sqrt(var + jnp.float32(eps))), x.dtype)
+
+
 def in_float64(fn, x: jax.Array) -> jax.Array:
     """fn(x) for f32 x evaluated in float64 and rounded once to f32: the golden oracle evaluates
     torch's `F.softplus`, `F.silu` and `torch.sigmoid` that way (golden README, "What the oracle's

@@ -25,3 +25,11 @@ def e8m0_f32(b: jax.Array) -> jax.Array:
     `dsv41_jax.quant.e8m0_to_f32`), built from the exponent bits inside a kernel."""
     bits = jnp.where(b == 0, jnp.int32(1 << 22), jnp.where(b == 255, jnp.int32(0x7FC00000), b << 23))
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def round_bf16_f32(x: jax.Array, interpret: bool) -> jax.Array:
+    """x rounded to bf16 values, as f32. In interpret mode XLA runs this, and XLA may drop an
+    f32 -> bf16 -> f32 convert pair, so the rounding is made explicit there."""
+    if interpret:
+        return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return x.astype(jnp.bfloat16).astype(jnp.float32)

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from benchmarks import model_speed, tma_probe
-from dsv41_jax.layers import rms_norm
+from dsv41_jax.numerics import rms_norm
 
 
 def test_hlo_sources_names_the_project_line_of_each_kernel():
@@ -26,7 +26,7 @@ def test_hlo_sources_names_the_project_line_of_each_kernel():
     text = jax.jit(lambda x, w: rms_norm(x, w, 1e-6)).lower(x, w).compile().as_text()
     src = model_speed.hlo_sources(text)
     assert src and all("." not in name for name in src)  # kernel names: "." and "-" become "_"
-    assert any(v.startswith("layers.py:") and v.endswith("rms_norm") for v in src.values()), src
+    assert any(v.startswith("numerics.py:") and v.endswith("rms_norm") for v in src.values()), src
 
 
 def test_random_model_routes_tokens_across_the_experts():

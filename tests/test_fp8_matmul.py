@@ -21,6 +21,7 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.layers import Linear
+from dsv41_jax.numerics import rms_norm
 from pallas_kernels.fp8_matmul import api, kernel_gpu
 from pallas_kernels.fp8_matmul import reference as ref
 
@@ -334,7 +335,8 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch, rows
     calls = []
     original = kernel_gpu.fp8_matmul_many
     monkeypatch.setattr(kernel_gpu, "fp8_matmul_many", lambda x, ws, *a, **kw: calls.append(
-        (x.shape, len(ws), kw.get("groups", 1), kw.get("quantise", False))) or original(x, ws, *a, **kw))
+        (x.shape, len(ws), kw.get("groups", 1), kw.get("quantise", False),
+         tuple(w.shape[0] for w in ws) if kw.get("norm") is not None else None)) or original(x, ws, *a, **kw))
     jax.clear_caches()
     cache = jax.tree.map(lambda a: a[:rows], parity.teacher_forced_cache(parity.load_model(gs), gs))
 
@@ -344,13 +346,20 @@ def test_model_fp8_projections_run_the_kernel_in_a_decode_step(monkeypatch, rows
         return np.asarray(logits, np.float32)
 
     got = first_step(model)
-    assert calls and all(shape[0] == rows for shape, _, _, _ in calls)
-    assert {n for _, n, _, _ in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
-    assert {g for _, _, g, _ in calls} == {1, gs.args.o_groups}  # wo_a: one grouped launch
+    assert calls and all(shape[0] == rows for shape, *_ in calls)
+    assert {n for _, n, *_ in calls} == {1, 2}  # wq_a with wkv, shared w1 with w3: one launch each pair
+    assert {g for _, _, g, *_ in calls} == {1, gs.args.o_groups}  # wo_a: one grouped launch
     # one row: every ungrouped launch quantises its row itself (no act_quant launch); wo_a's
     # input is not quantised; two rows go through the quantiser first
-    assert {(g, q) for _, _, g, q in calls} == ({(1, True), (gs.args.o_groups, False)} if rows == 1
-                                                 else {(1, False), (gs.args.o_groups, False)})
+    assert {(g, q) for _, _, g, q, _ in calls} == ({(1, True), (gs.args.o_groups, False)} if rows == 1
+                                                    else {(1, False), (gs.args.o_groups, False)})
+    # one row: attn_norm is applied by the launch of wq_a with wkv, q_norm by that of wq_b, alone
+    # or with the indexer's wq_b (the layers are traced once per kind)
+    a = gs.args
+    normed = {(shape, norm) for shape, _, _, _, norm in calls if norm}
+    assert normed == (set() if rows == 2 else {
+        ((1, a.dim), (a.q_lora_rank, a.head_dim)), ((1, a.q_lora_rank), (a.n_heads * a.head_dim,)),
+        ((1, a.q_lora_rank), (a.n_heads * a.head_dim, a.index_n_heads * a.index_head_dim))})
     want = first_step(parity.load_model(gs))
     np.testing.assert_array_equal(got, want)
 
@@ -417,6 +426,81 @@ def test_in_kernel_quantiser_lowers_to_triton_for_cuda(dtype):
     f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
         x, (w, w), (s, s), block_m=1, block_n=64, block_k=256, k_splits=2, num_warps=4, num_stages=3,
         decode="native", interpret=False, quantise=True)
+    text = jax.jit(f).trace(x.astype(dtype), w, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fp8_matmul" in text
+
+
+def _norm_inputs(rng, k: int, scale_exp: int) -> np.ndarray:
+    """[1, k] fp32 of bf16 values n * 2^(scale_exp - 4), |n| <= 63, so every square and every
+    partial sum of squares (k <= 2048) is exact in fp32: the mean of squares is then the same in
+    any summation order."""
+    return (rng.integers(-63, 64, k) * 2.0 ** (scale_exp - 4)).astype(np.float32)[None]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize(("dtype", "n_w", "k_splits", "group_sums"),
+                         [(jnp.bfloat16, 1, 1, True), (jnp.bfloat16, 2, 2, True), (jnp.float32, 2, 2, False)])
+def test_one_row_norm_in_the_kernel_equals_rms_norm_then_the_kernel(dtype, n_w, k_splits, group_sums, interpret):
+    """`linear_many` with an RMSNorm at one row (interpret, or compiled on a GPU): the kernel
+    normalising its own x tiles gives `rms_norm` followed by the kernel bit for bit where the
+    sum of squares is exact (any order), over 40 binades of row scale; on normal rows (the sums'
+    orders differ) nearly all outputs are bit-identical and the rest one bf16 step apart; two
+    rows and the reference path apply `rms_norm` first; a NaN in the row makes every output NaN."""
+    rng = np.random.default_rng(23)
+    k = 512
+    mats = [make(rng, 1, n, k)[1:3] for n in (64, 96)[:n_w]]
+    ws, ss = tuple(w for w, _ in mats), tuple(s for _, s in mats)
+    nw = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
+    eps = 1e-6
+
+    def both(x):
+        outs = {}
+        for fold in (False, True):
+            bs = api.BlockSizes(norm_one_row=fold, k_splits=k_splits, block_n=32, one_row_group_sums=group_sums)
+            outs[fold] = [np.asarray(o) for o in api.linear_many(
+                x, ws, ss, implementation="pallas", interpret=interpret, block_sizes=bs, norm_weight=nw,
+                norm_eps=eps)]
+        return outs
+
+    for scale_exp in (-20, -3, 0, 5, 20):
+        x = jnp.asarray(_norm_inputs(rng, k, scale_exp), dtype)
+        outs = both(x)
+        for a, b, (w, s) in zip(outs[False], outs[True], mats, strict=True):
+            np.testing.assert_array_equal(a, b)
+            want = quant.linear_fp8(rms_norm(x, nw, eps), w, s)
+            assert np.mean(ulps(b, want) == 0) >= 0.9 and np.max(ulps(b, want)) <= 2
+    same = []
+    for _ in range(8):
+        x = jnp.asarray(rng.standard_normal((1, k)) * 3, dtype)
+        outs = both(x)
+        for a, b in zip(outs[False], outs[True], strict=True):
+            same.append(np.mean(ulps(a, b) == 0))
+            assert np.max(ulps(a, b)) <= 1
+    assert np.mean(same) >= 0.95
+    two = jnp.asarray(np.concatenate([_norm_inputs(rng, k, 0)] * 2), dtype)
+    outs = both(two)
+    for a, b, (w, s) in zip(outs[False], outs[True], mats, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(b, np.asarray(quant.linear_fp8(rms_norm(two, nw, eps), w, s)))
+    x = jnp.asarray(_norm_inputs(rng, k, 0), dtype).at[0, 7].set(np.nan)
+    assert all(np.all(np.isnan(o.astype(np.float32))) for o in both(x)[True])
+    ref = api.linear_many(x, ws, ss, implementation="reference", norm_weight=nw, norm_eps=eps)
+    assert all(np.all(np.isnan(np.asarray(o, np.float32))) for o in ref)
+    with pytest.raises(ValueError, match="norm_weight"):
+        api.linear_many(x, ws, ss, implementation="pallas", interpret=True, norm_weight=nw)
+    with pytest.raises(NotImplementedError, match="in-kernel RMSNorm takes one row"):
+        kernel_gpu.fp8_matmul_many(two, ws, ss, block_m=16, block_n=32, block_k=256, k_splits=1, num_warps=4,
+                                   num_stages=3, decode="native", interpret=True, norm=(nw, eps))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_in_kernel_norm_lowers_to_triton_for_cuda(dtype):
+    """The norm's float64 mean, root and reciprocal lower with the one-row kernel."""
+    x, w, s, _, _ = make(np.random.default_rng(0), 1, 256, 2048)
+    nw = jnp.ones((2048,), jnp.bfloat16)
+    f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
+        x, (w, w), (s, s), block_m=1, block_n=64, block_k=256, k_splits=2, num_warps=4, num_stages=3,
+        decode="native", interpret=False, quantise=True, group_sums=True, norm=(nw, 1e-6))
     text = jax.jit(f).trace(x.astype(dtype), w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax import quant
-from dsv41_jax.numerics import to_bf16
+from dsv41_jax.numerics import rms_norm, to_bf16
 from pallas_kernels._dispatch import gpu_kernel, split_batch
 from pallas_kernels._triton import fit_block
 from pallas_kernels.fp8_matmul import kernel_gpu
@@ -51,6 +51,9 @@ class BlockSizes:
       quantises each x tile it loads, kernel_gpu's docstring) instead of a launch of its own
       (same values; on the H200 a layer's eight projections 72.1 against 89.0 µs of device
       time, benchmarks/README.md, sixteenth run).
+    norm_one_row: with block_m 1 and the activation quantiser in the kernel, `linear_many`'s
+      RMSNorm (`norm_weight`) is applied in the kernel too (kernel_gpu's docstring) instead of
+      its two launches (the mean of squares, then its application).
     one_row_group_sums: with block_m 1, each 32-long run of a column's unscaled products is summed
       and then multiplied by its block's scale (kernel_gpu's docstring) instead of scaling every
       weight element before the sum (on the H200 a layer's eight projections 67.7 against 71.1 µs
@@ -81,6 +84,7 @@ class BlockSizes:
     min_wave_fill: float = 0.7
     one_row: bool = True
     quantise_one_row: bool = True
+    norm_one_row: bool = True
     one_row_group_sums: bool = True
 
     def resolved(self, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes:
@@ -133,10 +137,11 @@ def _validate_scale(name, w, s):
         raise ValueError(f"{name}: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False):
+def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False, norm=None):
     """The kernel's outputs (a tuple, one per weight), or None when the reference must run (a
-    shape the kernel refuses); callers check `gpu_kernel` first. `groups`, `quantise`: kernel_gpu's
-    (with `quantise` x is the row before the activation quantiser, passed as it is)."""
+    shape the kernel refuses); callers check `gpu_kernel` first. `groups`, `quantise`, `norm`:
+    kernel_gpu's (with `quantise` x is the row before the activation quantiser, with `norm` the
+    row before the RMSNorm, passed as it is)."""
     m, k = x.shape[0], ws[0].shape[1]
     ns = tuple(w.shape[0] // groups for w in ws) * groups  # block_n must divide each group's rows
     bs = (block_sizes or BlockSizes()).resolved(m, ns, k)
@@ -145,7 +150,7 @@ def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False)
                                           block_m=bs.block_m, block_n=bs.block_n, block_k=bs.block_k,
                                           k_splits=bs.k_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
                                           decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise,
-                                          group_sums=bs.one_row_group_sums and bs.block_m == 1)
+                                          group_sums=bs.one_row_group_sums and bs.block_m == 1, norm=norm)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)
@@ -178,42 +183,58 @@ def linear(x: jax.Array, w: jax.Array, s: jax.Array, *, implementation: Implemen
                        block_sizes=block_sizes)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes", "norm_eps"))
 def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *,
                 implementation: Implementation = "auto", interpret: bool = False,
-                block_sizes: BlockSizes | None = None) -> tuple[jax.Array, ...]:
+                block_sizes: BlockSizes | None = None, norm_weight: jax.Array | None = None,
+                norm_eps: float | None = None) -> tuple[jax.Array, ...]:
     """`linear(x, w, s)` for each (w, s) of ws / ss (all [N_t, K] for x's K) -> a tuple of bf16
     [..., N_t]. On the kernel path the rows are quantised once (a single row inside the kernel,
     `BlockSizes.quantise_one_row`) and every matrix streams in one launch
     (`kernel_gpu.fp8_matmul_many`); the tiles (K splits included) are picked for the
     combined grid, so a result may differ from its own `linear` call only in the order of its
-    fp32 sums."""
+    fp32 sums.
+
+    With `norm_weight` (bf16 [K]) and `norm_eps` x is the input of an RMSNorm and the matrices
+    multiply `numerics.rms_norm(x, norm_weight, norm_eps)`: a single row quantised in the kernel
+    is normalised there too (`BlockSizes.norm_one_row`; only the order of the norm's sum of
+    squares differs), other rows go through `rms_norm` first."""
     bs = block_sizes or BlockSizes()
     ws, ss = tuple(ws), tuple(ss)
     if len(ws) != len(ss) or not ws:
         raise ValueError(f"linear_many: one scale per weight, got {len(ws)} weights and {len(ss)} scales")
+    if (norm_weight is None) != (norm_eps is None) or (norm_weight is not None and norm_weight.shape != x.shape[-1:]):
+        raise ValueError(f"linear_many: norm_weight [{x.shape[-1]}] and norm_eps go together, got "
+                         f"{None if norm_weight is None else norm_weight.shape} and {norm_eps}")
     if x.size == 0 or not gpu_kernel(implementation, interpret, "fp8_matmul"):
+        x = x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)
         return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
     n_w = len(ws)
 
     def local(x, *wss):  # per data shard on a mesh (split_batch): the row count is the shard's
-        ws, ss = wss[:n_w], wss[n_w:]
+        ws, ss, nw = wss[:n_w], wss[n_w:2 * n_w], wss[2 * n_w:]
+        normed = (lambda x: x) if not nw else (lambda x: rms_norm(x, nw[0], norm_eps))
         rows = math.prod(x.shape[:-1])
         if rows > bs.max_rows:
-            return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
+            return tuple(quant.linear_fp8(normed(x), w, s) for w, s in zip(ws, ss))
         in_kernel = (bs.quantise_one_row and x.dtype in (jnp.bfloat16, jnp.float32)
                      and bs.resolved(rows, tuple(w.shape[0] for w in ws), x.shape[-1]).block_m == 1)
+        norm = None
+        if in_kernel and nw and bs.norm_one_row:
+            norm = (nw[0], norm_eps)
+        else:
+            x = normed(x)
         xq = x.reshape(rows, x.shape[-1]) if in_kernel else quant.act_quant_bf16(x).reshape(rows, x.shape[-1])
         for w, s in zip(ws, ss):
             _validate(xq, w, s)
-        outs = _kernel_or_none(xq, ws, ss, interpret, bs, quantise=in_kernel)
+        outs = _kernel_or_none(xq, ws, ss, interpret, bs, quantise=in_kernel, norm=norm)
         if outs is None:
-            return tuple(quant.linear_fp8(x, w, s) for w, s in zip(ws, ss))
+            return tuple(quant.linear_fp8(x if norm is None else normed(x), w, s) for w, s in zip(ws, ss))
         return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))
 
-    args = (x, *ws, *ss)
+    args = (x, *ws, *ss) + (() if norm_weight is None else (norm_weight,))
     if x.ndim > 1:
-        return split_batch(local, args, (True,) + (False,) * (2 * n_w), "fp8 linear")
+        return split_batch(local, args, (True,) + (False,) * (len(args) - 1), "fp8 linear")
     return local(*args)
 
 

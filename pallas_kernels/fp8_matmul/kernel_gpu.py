@@ -33,6 +33,13 @@ fp32) and applies it to each x tile it loads: per 32 elements amax = max(max|x|,
 s = 2^ceil(log2(amax * fp32(1/448))), x / s clamped to +-448 and rounded to the e4m3 grid (ties to
 even), times s: the values of `quant.act_quant_bf16`, so the launch of that quantiser is saved.
 
+With "norm" (one row only) the kernel also takes the row before its RMSNorm and the norm's
+weight: every program forms the row's sum of squares (the whole row, in one fixed order, so all
+programs agree), then 1 / sqrt(mean + eps) with the mean, root and reciprocal correctly rounded
+(float64 division and root, rounded once to fp32) as `numerics.rms_norm`, and normalises each x
+tile it loads (w * (x * r), rounded to bf16 for a bf16 row) before the quantiser: the launches of
+the norm's mean and its application are saved. Only the sum of squares' order differs from XLA's.
+
 Grouped ("groups" = G > 1, the attention's block-diagonal `wo_a`): x [M, G*K] holds G inputs
 side by side and the weight's N rows form G equal groups; output column n belongs to group
 n // (N/G) and reads only its group's K columns of x (block_n divides N/G).
@@ -51,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dsv41_jax import quant
-from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2
+from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2, round_bf16_f32
 
 QBLOCK = 32  # weight scale block (rows and columns)
 
@@ -96,12 +103,33 @@ def _act_quant_row(x: jax.Array) -> jax.Array:
     return jnp.where(finite, q * s, jnp.float32(jnp.nan)).reshape(1, bk)
 
 
+def _norm_factor(x_ref, k: int, block_k: int, eps: float) -> jax.Array:
+    """1 / sqrt(mean(x^2) + eps) of the row x_ref [1, K] as `numerics.rms_norm` forms it: the sum
+    of squares in fp32 (K / block_k tiles added element-wise, then one tree sum: every program
+    of a launch forms the same value), then the mean, the square root and the reciprocal each
+    correctly rounded (float64 division and root of f32 values, rounded once). -> f32 [1, 1]."""
+    sq = None
+    for c in range(k // block_k):  # unrolled: the tiles' loads are independent
+        xc = x_ref[pl.ds(0, 1), pl.ds(c * block_k, block_k)].astype(jnp.float32)
+        sq = xc * xc if sq is None else sq + xc * xc
+    total = jnp.sum(sq, axis=1, keepdims=True)
+    with jax.enable_x64(True):
+        var = (total.astype(jnp.float64) / jnp.float64(k)).astype(jnp.float32) + jnp.float32(eps)
+        root = jnp.sqrt(var.astype(jnp.float64)).astype(jnp.float32)
+        return (jnp.float64(1.0) / root.astype(jnp.float64)).astype(jnp.float32)
+
+
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
-            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool, group_sums: bool):
+            split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool, group_sums: bool,
+            norm_eps: float | None, interpret: bool):
     # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K);
-    # then per weight t: w_ref [N_t, K] e4m3 ("native") or int8 ("bits"), then
-    # s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16 or [splits, M, N_t] fp32 when split.
+    # with norm_eps, nw_ref [1, K] bf16 (the RMSNorm weight); then per weight t: w_ref [N_t, K]
+    # e4m3 ("native") or int8 ("bits"), then s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16
+    # or [splits, M, N_t] fp32 when split.
     # Column block j of the grid belongs to the weight whose range of col_blocks holds it.
+    nw_ref = None
+    if norm_eps is not None:
+        nw_ref, refs = refs[0], refs[1:]
     n_w = len(col_blocks)
     w_refs, s_refs, o_refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     i, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -112,6 +140,8 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
 
     def e8m0_wide(sb):  # [bn/32, bk/32] scale bytes -> fp32 [bn, bk], one scale per 32 x 32 block
         return jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
+
+    factor = None if nw_ref is None else _norm_factor(x_ref, k, block_k, norm_eps)
 
     def one_block(w_ref, s_ref, o_ref, n0):
         x0 = 0 if group_cols is None else (n0 // group_cols) * k
@@ -124,6 +154,11 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
             sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
             wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
             if block_m == 1:  # one row: exact fp32 products on the CUDA cores, summed per column
+                if factor is not None:  # the RMSNorm, as `numerics.rms_norm` applies it
+                    nwb = nw_ref[pl.ds(0, 1), pl.ds(kb * block_k, block_k)].astype(jnp.float32)
+                    xb = nwb * (xb.astype(jnp.float32) * factor)
+                    if x_ref.dtype == jnp.bfloat16:
+                        xb = round_bf16_f32(xb, interpret)
                 xf = _act_quant_row(xb) if quantise else xb.astype(jnp.float32)
                 if group_sums:  # each 32-long run of unscaled products summed, then times its scale
                     runs = jnp.sum((wf * xf).reshape(block_n, sk, QBLOCK), axis=2)  # [bn, bk/32]
@@ -163,8 +198,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, groups: int = 1, **t
 
 def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
                     block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
-                    interpret: bool, groups: int = 1, quantise: bool = False,
-                    group_sums: bool = False) -> tuple[jax.Array, ...]:
+                    interpret: bool, groups: int = 1, quantise: bool = False, group_sums: bool = False,
+                    norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
     """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
     ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
     it. The grid's column blocks run through the matrices in order; every output column is
@@ -176,6 +211,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     (block_m 1, no groups; module docstring).
     `group_sums`: one row (block_m 1) with each 32-long run of products summed before its
     scale multiplies it (module docstring).
+    `norm` (weight bf16 [K], eps): one row (block_m 1, no groups) before its RMSNorm, applied in
+    the kernel (module docstring): the launch takes `numerics.rms_norm(x, weight, eps)`'s place.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     m = x.shape[0]
@@ -186,6 +223,9 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     if quantise and (block_m != 1 or groups != 1 or x.dtype not in (jnp.bfloat16, jnp.float32)):
         raise NotImplementedError(f"the in-kernel quantiser takes one bf16 or fp32 row (block_m 1, no groups), got "
                                   f"{block_m=} {groups=} {x.dtype=}")
+    if norm is not None and (block_m != 1 or groups != 1 or norm[0].shape != (k,)):
+        raise NotImplementedError(f"the in-kernel RMSNorm takes one row (block_m 1, no groups) and a weight [{k}], "
+                                  f"got {block_m=} {groups=} weight {norm[0].shape}")
     if group_sums and block_m != 1:
         raise NotImplementedError(f"group_sums is the one-row (block_m 1) product sum, got {block_m=}")
     if x.dtype != jnp.bfloat16 and not quantise:
@@ -225,17 +265,20 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     kernel = functools.partial(_kernel, m=m, block_m=block_m, block_n=block_n, block_k=block_k,
                                k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks,
                                group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k,
-                               quantise=quantise, group_sums=group_sums)
+                               quantise=quantise, group_sums=group_sums,
+                               norm_eps=None if norm is None else float(norm[1]), interpret=interpret)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
+    nw = () if norm is None else (norm[0].reshape(1, k),)
     return tuple(pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(m, block_m), sum(col_blocks), k_splits),
-        in_specs=[whole(x.shape)] + [whole(w.shape) for w in ws] + [whole(s.shape) for s in ss],
+        in_specs=[whole(x.shape)] + [whole(a.shape) for a in nw] + [whole(w.shape) for w in ws]
+        + [whole(s.shape) for s in ss],
         out_specs=[whole(o.shape) for o in out_shape],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_matmul",
-    )(x, *ws, *ss))
+    )(x, *nw, *ws, *ss))

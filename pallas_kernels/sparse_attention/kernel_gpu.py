@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import SMEM_LIMIT, is_pow2
+from pallas_kernels._triton import SMEM_LIMIT, is_pow2, round_bf16_f32
 
 
 def _div_rn(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
@@ -50,14 +50,6 @@ def _div_rn(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
         "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
     return out
-
-
-def _round_bf16_f32(x: jax.Array, interpret: bool) -> jax.Array:
-    """x rounded to bf16 values, as f32. In interpret mode XLA runs this, and XLA may drop an
-    f32 -> bf16 -> f32 convert pair, so the rounding is made explicit there."""
-    if interpret:
-        return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
-    return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: int, n_blocks: int,
@@ -89,7 +81,7 @@ def _kernel(idx_ref, q_ref, kv_ref, sink_ref, *out_refs, scale: float, block_k: 
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         v = k if block_d == d else kv_ref[rows, pl.ds(d0, block_d)]  # [bk, block_d]
         if split_probs:
-            p_hi = _round_bf16_f32(p, interpret)
+            p_hi = round_bf16_f32(p, interpret)
             pv = jnp.dot(p_hi.astype(v.dtype), v, preferred_element_type=jnp.float32)
             pv = pv + jnp.dot((p - p_hi).astype(v.dtype), v, preferred_element_type=jnp.float32)
         else:
@@ -151,7 +143,7 @@ def _f64_body(idx_ref, q_ref, kv_ref, sink_ref, out_refs, *, scale, block_k, n_b
         den = l_i + jnp.exp(sink - m_i)
         for col, a in zip(cols, acc):
             out = (a / den[:, None]).astype(jnp.float32)  # div.rn.f64, then the reference's f64 -> f32
-            o_ref[:, col] = _round_bf16_f32(out, interpret).astype(o_ref.dtype)
+            o_ref[:, col] = round_bf16_f32(out, interpret).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
         for col, a in zip(cols, acc):
