@@ -33,10 +33,10 @@ from flax import nnx
 from dsv41_jax import expert_parallel, quant
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, WeightDtype, apply_linear, apply_linears, linear_kernels
-from dsv41_jax.numerics import cast, exact_div, in_float64, sqrt
+from dsv41_jax.numerics import cast, exact_div, in_float64
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
-from pallas_kernels.topk.api import router_topk
+from pallas_kernels.topk.api import router_topk_scored
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -77,18 +77,13 @@ class Gate(nnx.Module):
         )
         if self.gate_temp != 1.0:  # torch divides (XLA would multiply by the rounded reciprocal)
             logits = exact_div(logits, _F32(self.gate_temp))
-        if self.score_func == "softmax":
-            scores = jax.nn.softmax(logits, axis=-1)
-        elif self.score_func == "sigmoid":
-            scores = in_float64(jax.nn.sigmoid, logits)
-        else:
-            scores = sqrt(in_float64(jax.nn.softplus, logits))  # both as torch rounds them
         bias = self.bias[...]
         if image_mask is not None and self.bias_vl is not None:
             bias = jnp.where(image_mask[:, None], self.bias_vl[...], bias)
         # the bias steers which experts are picked; the weights come from the unbiased scores
-        weights, indices = router_topk(scores, scores + bias, self.topk, implementation=self.kernels,
-                                       interpret=self.kernels_interpret)
+        # (softmax / sigmoid / sqrt(softplus) of the logits, as torch rounds them)
+        weights, indices = router_topk_scored(logits, bias, self.topk, self.score_func,
+                                              implementation=self.kernels, interpret=self.kernels_interpret)
         if self.norm_topk_prob and self.topk > 1:
             # added left to right so every backend forms the same fp32 sum
             total = weights[:, 0]

@@ -16,6 +16,7 @@ import pytest
 
 from dsv41_jax.attention import select_topk
 from pallas_kernels.topk import api, kernel_gpu
+from pallas_kernels.topk import reference as ref
 
 HAS_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
@@ -282,6 +283,66 @@ def test_score_keys32_order_like_total_order():
 def test_router_kernel_lowers_to_triton_for_cuda():
     s = jnp.zeros((4, 384), jnp.float32)
     f = lambda s: kernel_gpu.router_topk(s, s, 6, num_warps=None, interpret=False)
+    assert "router_topk" in jax.jit(f).trace(s).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _gate_logits(rng, n: int, e: int) -> np.ndarray:
+    """[n, e] f32 logits: normal ones, some large of both signs (softplus saturating to x and to
+    exp(x)), tiny ones, exact zeros, and ties (repeated values)."""
+    x = (rng.standard_normal((n, e)) * 3).astype(np.float32)
+    x[:, :8] = [40.0, -40.0, 1e-30, -1e-30, 0.0, -0.0, 88.5, -103.0]
+    x[:, 8:12] = x[:, 12:16]
+    return x
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize("per_row_bias", [False, True])
+def test_router_scored_in_the_kernel_equals_scores_then_selection(interpret, per_row_bias):
+    """`router_topk_scored` with sqrt(softplus) formed in the kernel (interpret, or compiled on a
+    GPU) gives XLA's scores followed by the selection bit for bit (weights and ranks; bias [E]
+    or per row), for the released width and an odd one; the scores are numpy's float64
+    sqrt(softplus) rounded as torch rounds it."""
+    rng = np.random.default_rng(12)
+    for n, e, k in ((1, 384, 6), (3, 384, 6), (5, 100, 8)):
+        logits = _gate_logits(rng, n, e)
+        bias = (rng.integers(-4, 5, (n, e) if per_row_bias else e) * 0.125).astype(np.float32)
+        got = api.router_topk_scored(jnp.asarray(logits), jnp.asarray(bias), k, "sqrtsoftplus",
+                                     implementation="pallas", interpret=interpret)
+        want = jax.jit(ref.router_topk_scored, static_argnums=(2, 3))(jnp.asarray(logits), jnp.asarray(bias), k,
+                                                                      "sqrtsoftplus")
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint32), np.asarray(want[0]).view(np.uint32))
+        sp = np.logaddexp(logits.astype(np.float64), 0.0).astype(np.float32)
+        scores = np.sqrt(sp.astype(np.float64)).astype(np.float32)
+        want_w, want_idx = router_oracle(scores, scores + bias, k)
+        np.testing.assert_array_equal(np.asarray(got[1]), want_idx)
+        np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint32), want_w.view(np.uint32))
+
+
+def test_router_scored_takes_other_score_functions_through_xla(monkeypatch):
+    """Softmax and sigmoid scores are formed by XLA and then selected (the kernel gets scores);
+    a bad score function or bias shape is an error naming it."""
+    rng = np.random.default_rng(13)
+    logits, bias = jnp.asarray(_gate_logits(rng, 2, 64)), jnp.asarray(rng.standard_normal(64), jnp.float32)
+    seen = []
+    original = kernel_gpu.router_topk
+    monkeypatch.setattr(kernel_gpu, "router_topk", lambda s, b, k, **kw: seen.append(kw.get("score_func"))
+                        or original(s, b, k, **kw))
+    for func in ("softmax", "sigmoid", "sqrtsoftplus"):
+        got = api.router_topk_scored(logits, bias, 4, func, implementation="pallas", interpret=True)
+        want = ref.router_topk_scored(logits, bias, 4, func)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert seen == [None, None, "sqrtsoftplus"]
+    with pytest.raises(ValueError, match="score_func must be one of"):
+        api.router_topk_scored(logits, bias, 4, "relu")
+    with pytest.raises(ValueError, match="bias"):
+        api.router_topk_scored(logits, bias[:8], 4, "sqrtsoftplus")
+
+
+def test_router_scored_kernel_lowers_to_triton_for_cuda():
+    s = jnp.zeros((4, 384), jnp.float32)
+    f = lambda s: kernel_gpu.router_topk(s, s[:1], 6, num_warps=None, interpret=False, score_func="sqrtsoftplus")
     assert "router_topk" in jax.jit(f).trace(s).lower(lowering_platforms=("cuda",)).as_text()
 
 

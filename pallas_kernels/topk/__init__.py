@@ -2,6 +2,6 @@
 indexer's selection, SPEC §5.7) and the MoE gate's ranked top-k of f32 expert scores (SPEC §6.1):
 reference, GPU kernel, one dispatch each."""
 
-from pallas_kernels.topk.api import BlockSizes, router_topk, topk_positions
+from pallas_kernels.topk.api import BlockSizes, router_topk, router_topk_scored, topk_positions
 
-__all__ = ["BlockSizes", "router_topk", "topk_positions"]
+__all__ = ["BlockSizes", "router_topk", "router_topk_scored", "topk_positions"]

@@ -12,7 +12,8 @@ batch shard.
 
 `router_topk` is the MoE gate's selection: the k largest biased scores in rank order with the
 unbiased scores there (`lax.top_k` + a gather on the reference path; one launch, no sort, on the
-kernel path), f32 keys in the same total order.
+kernel path), f32 keys in the same total order. `router_topk_scored` takes the gate's logits
+and bias instead (the scores formed in the same launch where the kernel can).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels._dispatch import gpu_kernel, split_batch
 from pallas_kernels.topk import kernel_gpu
@@ -90,3 +92,36 @@ def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, implementation:
             return _ref.router_topk(s, b, k)
 
     return split_batch(local, (scores, biased), (True, True), "router_topk")
+
+
+def router_topk_scored(logits: jax.Array, bias: jax.Array, k: int, score_func: str, *,
+                       implementation: Implementation = "auto", interpret: bool = False,
+                       block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+    """The gate from its logits: logits f32 [N, E], bias f32 [E] (or [N, E]: per-row biases) ->
+    `router_topk(scores, scores + bias, k)` with scores = `reference.router_scores(logits,
+    score_func)`. On the kernel path a score function of `kernel_gpu.IN_KERNEL_SCORE_FUNCS` is
+    formed inside the selection's launch (the same float64 operations), others by XLA first."""
+    if logits.ndim != 2 or bias.shape not in ((logits.shape[1],), logits.shape):
+        raise ValueError(f"logits [N, E] and bias [E] or [N, E], got {logits.shape=} {bias.shape=}")
+    if score_func not in _ref.SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {_ref.SCORE_FUNCS}, got {score_func!r}")
+    width = logits.shape[-1]
+    if not isinstance(k, int) or not 1 <= k <= width:
+        raise ValueError(f"k must be an int in [1, {width}] for logits {logits.shape}, got {k=}")
+    in_kernel = score_func in kernel_gpu.IN_KERNEL_SCORE_FUNCS and logits.dtype == bias.dtype == jnp.float32
+    if logits.shape[0] == 0 or not in_kernel or not gpu_kernel(implementation, interpret, "router_topk"):
+        scores = _ref.router_scores(logits, score_func)
+        return router_topk(scores, scores + bias, k, implementation=implementation, interpret=interpret,
+                           block_sizes=block_sizes)
+    bs = block_sizes or BlockSizes()
+    per_row = bias.ndim == 2
+
+    def local(lg, b):  # per data shard on a mesh (split_batch)
+        try:
+            return kernel_gpu.router_topk(lg, b if per_row else b.reshape(1, width), k, num_warps=bs.num_warps,
+                                          interpret=interpret, score_func=score_func)
+        except NotImplementedError as e:
+            logger.warning("router_topk: kernel does not handle logits %s (%s); using the reference", lg.shape, e)
+            return _ref.router_topk_scored(lg, b, k, score_func)
+
+    return split_batch(local, (logits, bias), (True, per_row), "router_topk")

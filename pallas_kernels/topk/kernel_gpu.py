@@ -15,7 +15,9 @@ one program (MAX_WIDTH) run in chunks and then over the chunks' candidates (`_to
 
 `router_topk` is the MoE gate's selection (a few of a few hundred experts, in rank order): one
 program per row takes the largest 32-bit total-order key k times (ties -> lower column), masking
-each pick out, and reads the pick's unbiased score by its bits. No sort either.
+each pick out, and reads the pick's unbiased score by its bits. No sort either. It can also form
+the scores from the gate's logits itself (sqrt(softplus) in float64, rounded as XLA's path rounds
+it) and add the bias, saving the launch between the logits and the selection.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._triton import is_pow2
+from pallas_kernels.topk import reference as _ref
 
 MAX_WIDTH = 16384  # columns one program holds in registers (64 a thread at 8 warps)
 _DEAD = -(1 << 16)  # below every 16-bit key
@@ -127,6 +130,9 @@ def _topk_in_chunks(scores: jax.Array, k: int, *, num_warps: int | None, interpr
 
 
 ROUTER_MAX_WIDTH = 4096  # experts one program holds in registers
+# score functions `router_topk` forms in the kernel (softmax needs the whole row's sum first; the
+# sigmoid stays with XLA's float64 logistic)
+IN_KERNEL_SCORE_FUNCS = ("sqrtsoftplus",)
 _INT_MIN = -(1 << 31)
 
 
@@ -136,13 +142,20 @@ def score_keys32(x: jax.Array) -> jax.Array:
     return (bits & 0x7FFFFFFF) ^ jax.lax.shift_right_arithmetic(bits, jnp.int32(31))
 
 
-def _router_kernel(s_ref, b_ref, w_ref, i_ref, *, width: int, padded: int, k: int, k_pad: int):
-    # s_ref, b_ref [R, width] f32 (scores, biased scores); w_ref [R, k] f32, i_ref [R, k] int32
+def _router_kernel(s_ref, b_ref, w_ref, i_ref, *, width: int, padded: int, k: int, k_pad: int,
+                   score_func: str | None, bias_rows: int):
+    # s_ref, b_ref [R, width] f32 (scores, biased scores); with score_func s_ref holds the
+    # logits and b_ref the bias [bias_rows, width]; w_ref [R, k] f32, i_ref [R, k] int32
     row = pl.program_id(0)
     col = jnp.arange(padded, dtype=jnp.int32)
     live = col < width
-    key = jnp.where(live, score_keys32(plgpu.load(b_ref.at[row, col], mask=live, other=0.0)), jnp.int32(_INT_MIN))
-    bits = jax.lax.bitcast_convert_type(plgpu.load(s_ref.at[row, col], mask=live, other=0.0), jnp.int32)
+    scores = plgpu.load(s_ref.at[row, col], mask=live, other=0.0)
+    biased = plgpu.load(b_ref.at[row if bias_rows > 1 else 0, col], mask=live, other=0.0)
+    if score_func is not None:
+        scores = _ref.router_scores(scores, score_func)
+        biased = scores + biased
+    key = jnp.where(live, score_keys32(biased), jnp.int32(_INT_MIN))
+    bits = jax.lax.bitcast_convert_type(scores, jnp.int32)
     slot = jnp.arange(k_pad, dtype=jnp.int32)
     picks = jnp.zeros((k_pad,), jnp.int32)
     picked_bits = jnp.zeros((k_pad,), jnp.int32)
@@ -159,21 +172,31 @@ def _router_kernel(s_ref, b_ref, w_ref, i_ref, *, width: int, padded: int, k: in
 
 
 def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, num_warps: int | None,
-                interpret: bool) -> tuple[jax.Array, jax.Array]:
+                interpret: bool, score_func: str | None = None) -> tuple[jax.Array, jax.Array]:
     """scores, biased f32 [R, E] -> (weights f32 [R, k], indices int32 [R, k]): the columns of the
     k largest `biased` in rank order (descending, IEEE total order, ties -> lower column) and
     `scores` at them, bit for bit.
 
+    With `score_func` (one of IN_KERNEL_SCORE_FUNCS) `scores` are the gate's logits and `biased`
+    its bias [1, E] or [R, E]: each program forms its row's scores itself
+    (`reference.router_scores`, float64 inside the kernel) and adds the bias, in the launch
+    that otherwise waits for XLA's kernel doing that.
+
     Raises NotImplementedError for rows this kernel does not handle (the caller falls back)."""
-    r, width = biased.shape
+    r, width = scores.shape
     if scores.dtype != jnp.float32 or biased.dtype != jnp.float32:
         raise NotImplementedError(f"f32 scores only, got {scores.dtype=} {biased.dtype=}")
-    if scores.shape != biased.shape:
+    if score_func is not None and (score_func not in IN_KERNEL_SCORE_FUNCS or biased.ndim != 2
+                                   or biased.shape[1] != width or biased.shape[0] not in (1, r)):
+        raise NotImplementedError(f"scores in the kernel: {IN_KERNEL_SCORE_FUNCS} with a bias [1 or {r}, {width}], "
+                                  f"got {score_func=} bias {biased.shape}")
+    if score_func is None and scores.shape != biased.shape:
         raise NotImplementedError(f"scores {scores.shape} and biased scores {biased.shape} differ")
     if not 1 <= k <= min(width, 64):
         raise NotImplementedError(f"k must be in [1, min(E={width}, 64)], got {k=}")
     padded, warps = _row_program(r, width, ROUTER_MAX_WIDTH, num_warps, 256, 4)
-    kernel = functools.partial(_router_kernel, width=width, padded=padded, k=k, k_pad=max(2, 1 << (k - 1).bit_length()))
+    kernel = functools.partial(_router_kernel, width=width, padded=padded, k=k, k_pad=max(2, 1 << (k - 1).bit_length()),
+                               score_func=score_func, bias_rows=biased.shape[0])
     return pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)),
         grid=(r,), interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),

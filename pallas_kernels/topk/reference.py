@@ -5,6 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.numerics import in_float64, sqrt
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
 
 def topk_positions(scores: jax.Array, k: int) -> jax.Array:
     """scores [..., W] -> int32 [..., k]: the columns of the k largest scores (ties -> lower
@@ -19,3 +23,23 @@ def router_topk(scores: jax.Array, biased: jax.Array, k: int) -> tuple[jax.Array
     column)."""
     _, idx = jax.lax.top_k(biased, k)
     return jnp.take_along_axis(scores, idx, axis=-1), idx.astype(jnp.int32)
+
+
+def router_scores(logits: jax.Array, score_func: str) -> jax.Array:
+    """The gate's scores from its f32 logits [..., E] (SPEC §6.1), as torch rounds them: softmax
+    over the experts, or sigmoid / sqrt(softplus) each evaluated in float64 and rounded once (the
+    square root of the rounded softplus, correctly rounded)."""
+    if score_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    if score_func == "sigmoid":
+        return in_float64(jax.nn.sigmoid, logits)
+    if score_func == "sqrtsoftplus":
+        return sqrt(in_float64(jax.nn.softplus, logits))
+    raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+
+
+def router_topk_scored(logits: jax.Array, bias: jax.Array, k: int, score_func: str) -> tuple[jax.Array, jax.Array]:
+    """logits [N, E] f32, bias [E] or [N, E] f32 -> `router_topk(scores, scores + bias, k)` with
+    scores = `router_scores(logits, score_func)`."""
+    scores = router_scores(logits, score_func)
+    return router_topk(scores, scores + bias, k)
