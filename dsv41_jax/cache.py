@@ -91,8 +91,21 @@ def write_row(buf: jax.Array, index: jax.Array, value: jax.Array, mask: jax.Arra
     index int [B]; value [B, ...]. A masked-off row keeps its old entry, so a value computed
     speculatively (a group that is not complete yet) never reaches the cache.
     """
-    rows = _rows(buf)
     value = value.astype(buf.dtype)
+    if buf.shape[0] == 1:
+        # one row: a dynamic_update_slice, which XLA fuses with the value's producer (its scatter
+        # becomes one too, behind a bounds check that kept the producer a kernel of its own).
+        # Indices as the scatter takes them: negative ones count from the end, and one outside
+        # [-N, N) leaves the buffer as it is.
+        n = buf.shape[1]
+        i = jnp.asarray(index).reshape(()).astype(jnp.int32)
+        i = jnp.where(i < 0, i + n, i)
+        keep = (i >= 0) & (i < n) if mask is None else (i >= 0) & (i < n) & mask.reshape(())
+        at = jnp.clip(i, 0, n - 1)
+        start = (jnp.int32(0), at) + (jnp.int32(0),) * (buf.ndim - 2)
+        old = jax.lax.dynamic_slice(buf, start, (1, 1) + buf.shape[2:])
+        return jax.lax.dynamic_update_slice(buf, jnp.where(keep, value.reshape(old.shape), old), start)
+    rows = _rows(buf)
     if mask is not None:
         old = buf[rows, index]
         value = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - 1)), value, old)

@@ -122,6 +122,25 @@ def test_masked_row_write_leaves_masked_rows_untouched():
     np.testing.assert_array_equal(out, [[0, 0, 1], [0, 0, 0]])
 
 
+def test_one_row_write_is_the_scatter_including_dropped_indices():
+    """A batch of one row writes with a dynamic_update_slice: the same buffer as the batched
+    scatter (a row of a two-row batch) at every index, negative ones (from the end), out-of-range
+    ones (dropped) and masks included; the value may be of another dtype (cast to the buffer's)."""
+    rng = np.random.default_rng(3)
+    buf = jnp.asarray(rng.standard_normal((2, 5, 3, 2)), jnp.bfloat16)
+    value = jnp.asarray(rng.standard_normal((2, 3, 2)), jnp.float32)
+    one = jax.jit(write_row)
+    for index in (-6, -1, 0, 3, 4, 5, 9):
+        for mask in (None, True, False):
+            m1 = None if mask is None else jnp.asarray([mask])
+            m2 = None if mask is None else jnp.asarray([mask, not mask])
+            got = one(buf[:1], jnp.asarray([index]), value[:1], m1)
+            want = one(buf, jnp.asarray([index, 2]), value, m2)[:1]
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+            changed = bool(np.any(np.asarray(got, np.float32) != np.asarray(buf[:1], np.float32)))
+            assert changed == (-5 <= index < 5 and mask is not False), (index, mask)
+
+
 # ------------------------------------------------------------------- golden: caches, decode
 
 
