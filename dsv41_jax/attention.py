@@ -602,6 +602,11 @@ class Attention(nnx.Module):
         # block-diagonal over groups: group g only sees its own heads. fp32 accumulation of exact
         # bf16 x bf16 products (an e4m3 weight times its power-of-two scale is exact in bf16, so
         # the fp8 matrix gives the reference's bf16 values), one rounding
+        if self.wo_a.dtype == "fp8" and self.wo_b.dtype == "fp8" and self.wo_b.weight.ndim == 2:
+            # (a single row: wo_b's launch adds wo_a's split partial sums itself)
+            return fp8_matmul.grouped_linear(o, self.wo_a.weight[...], self.wo_a.scale[...], self.wo_b.weight[...],
+                                             self.wo_b.scale[...], implementation=self.wo_a.kernels,
+                                             interpret=self.wo_a.kernels_interpret)
         if self.wo_a.dtype == "fp8":
             y = fp8_matmul.grouped(o, self.wo_a.weight[...], self.wo_a.scale[...],
                                    implementation=self.wo_a.kernels, interpret=self.wo_a.kernels_interpret)

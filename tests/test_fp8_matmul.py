@@ -11,6 +11,7 @@ fp32 summation (<= K * eps32 * sum|products|) and the final bf16 rounding (half 
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -503,6 +504,62 @@ def test_in_kernel_norm_lowers_to_triton_for_cuda(dtype):
         decode="native", interpret=False, quantise=True, group_sums=True, norm=(nw, 1e-6))
     text = jax.jit(f).trace(x.astype(dtype), w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize(("n_splits", "k_splits", "group_sums"), [(2, 1, True), (4, 2, True), (3, 2, False)])
+def test_one_row_partial_sums_in_the_kernel_equal_their_sum_then_the_kernel(interpret, n_splits, k_splits,
+                                                                          group_sums):
+    """x as a row's fp32 K-split partial sums [S, 1, K]: the kernel adds them in split order and
+    rounds to bf16 itself, bit for bit the launch on that sum (interpret, or compiled on a GPU);
+    other layouts of partials are refused."""
+    rng = np.random.default_rng(24)
+    k = 512
+    parts = jnp.asarray(rng.standard_normal((n_splits, 1, k)) * np.exp2(rng.integers(-8, 8, (n_splits, 1, k))),
+                        jnp.float32)
+    total = parts[0]
+    for sp in range(1, n_splits):
+        total = total + parts[sp]
+    row = jnp.asarray(np.asarray(total).astype(ml_dtypes.bfloat16))
+    mats = [make(rng, 1, n, k)[1:3] for n in (64, 96)]
+    ws, ss = tuple(w for w, _ in mats), tuple(s for _, s in mats)
+    kw = dict(block_m=1, block_n=32, block_k=128, k_splits=k_splits, num_warps=4, num_stages=3, decode="native",
+              interpret=interpret, quantise=True, group_sums=group_sums)
+    got = kernel_gpu.fp8_matmul_many(parts, ws, ss, **kw)
+    want = kernel_gpu.fp8_matmul_many(row, ws, ss, **kw)
+    assert np.any(np.asarray(row, np.float32) != np.asarray(parts[0], np.float32))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(NotImplementedError, match="partial sums of one row"):
+        kernel_gpu.fp8_matmul_many(jnp.concatenate([parts, parts], axis=1), ws, ss, **kw)
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize(("lead", "k_splits"), [((1, 1), 4), ((1,), 1), ((2, 1), 2)])
+def test_grouped_linear_of_one_row_chains_the_partial_sums(interpret, lead, k_splits, monkeypatch):
+    """`grouped_linear` (wo_a then wo_b): one row on the kernel path hands wo_a's partial sums to
+    wo_b's launch (two launches; the second takes [S, 1, N_a] fp32 when wo_a splits K) and gives
+    `linear(grouped(...))`'s outputs bit for bit; two rows and the reference path are those calls."""
+    rng = np.random.default_rng(25)
+    g, r, k = 4, 64, 256
+    x, wa, sa, _ = _grouped_inputs(rng, lead, g, r, k)
+    _, wb, sb, _, _ = make(rng, 1, 96, g * r)
+    bs = api.BlockSizes(k_splits=k_splits, block_n=32, block_k=64)
+    seen = []
+    original = kernel_gpu.fp8_matmul_many
+    monkeypatch.setattr(kernel_gpu, "fp8_matmul_many", lambda x, ws, *a, **kw: seen.append(x.shape)
+                        or original(x, ws, *a, **kw))
+    got = api.grouped_linear(x, wa, sa, wb, sb, implementation="pallas", interpret=interpret, block_sizes=bs)
+    rows = math.prod(lead)
+    if rows == 1:
+        assert seen == [(1, g * k), (k_splits, 1, g * r) if k_splits > 1 else (1, g * r)]
+    y = api.grouped(x, wa, sa, implementation="pallas", interpret=interpret, block_sizes=bs)
+    want = api.linear(y.reshape(*lead, -1), wb, sb, implementation="pallas", interpret=interpret, block_sizes=bs)
+    assert got.shape == (*lead, 96)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    ref_out = api.grouped_linear(x, wa, sa, wb, sb, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(ref_out), np.asarray(quant.linear_fp8(
+        ref.grouped(x, wa, sa).reshape(*lead, -1), wb, sb)))
 
 
 def test_one_row_group_sums_against_per_element_scales_and_the_oracle():

@@ -54,6 +54,8 @@ class BlockSizes:
     norm_one_row: with block_m 1 and the activation quantiser in the kernel, `linear_many`'s
       RMSNorm (`norm_weight`) is applied in the kernel too (kernel_gpu's docstring) instead of
       its two launches (the mean of squares, then its application).
+    chain_one_row: `grouped_linear` of a single row hands the first launch's K-split partial
+      sums to the second, which adds them itself (instead of a launch adding them in between).
     one_row_group_sums: with block_m 1, each 32-long run of a column's unscaled products is summed
       and then multiplied by its block's scale (kernel_gpu's docstring) instead of scaling every
       weight element before the sum (on the H200 a layer's eight projections 67.7 against 71.1 µs
@@ -85,6 +87,7 @@ class BlockSizes:
     one_row: bool = True
     quantise_one_row: bool = True
     norm_one_row: bool = True
+    chain_one_row: bool = True
     one_row_group_sums: bool = True
 
     def resolved(self, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes:
@@ -137,12 +140,13 @@ def _validate_scale(name, w, s):
         raise ValueError(f"{name}: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False, norm=None):
+def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False, norm=None, keep_splits=False):
     """The kernel's outputs (a tuple, one per weight), or None when the reference must run (a
     shape the kernel refuses); callers check `gpu_kernel` first. `groups`, `quantise`, `norm`:
     kernel_gpu's (with `quantise` x is the row before the activation quantiser, with `norm` the
-    row before the RMSNorm, passed as it is)."""
-    m, k = x.shape[0], ws[0].shape[1]
+    row before the RMSNorm, passed as it is; x [S, 1, K]: one row's partial sums). With
+    `keep_splits` the K-split partials [S, M, N] are returned unsummed (bf16 [M, N] at 1 split)."""
+    m, k = x.shape[-2], ws[0].shape[1]
     ns = tuple(w.shape[0] // groups for w in ws) * groups  # block_n must divide each group's rows
     bs = (block_sizes or BlockSizes()).resolved(m, ns, k)
     try:
@@ -155,7 +159,7 @@ def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False,
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)
         return None
-    return tuple(to_bf16(jnp.sum(o, axis=0)) for o in outs) if bs.k_splits > 1 else outs
+    return tuple(to_bf16(jnp.sum(o, axis=0)) for o in outs) if bs.k_splits > 1 and not keep_splits else outs
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
@@ -236,6 +240,40 @@ def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ..
     if x.ndim > 1:
         return split_batch(local, args, (True,) + (False,) * (len(args) - 1), "fp8 linear")
     return local(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
+def grouped_linear(x: jax.Array, wa: jax.Array, sa: jax.Array, wb: jax.Array, sb: jax.Array, *,
+                   implementation: Implementation = "auto", interpret: bool = False,
+                   block_sizes: BlockSizes | None = None) -> jax.Array:
+    """`linear(grouped(x, wa, sa), wb, sb)` (the attention's `wo_a`, then `wo_b`): x bf16
+    [..., G, K] -> bf16 [..., N_b]. A single row on the kernel path (`BlockSizes.chain_one_row`)
+    hands wo_a's K-split partial sums straight to wo_b's launch, which adds them in split order
+    and rounds to bf16 as it loads each x tile (kernel_gpu's docstring): the launch that adds
+    them in between is saved. Only the order of those fp32 sums can differ from the two calls."""
+    bs = block_sizes or BlockSizes()
+    lead = x.shape[:-2]
+    chained = (x.ndim >= 2 and math.prod(lead) == 1 and bs.chain_one_row and bs.quantise_one_row
+               and gpu_kernel(implementation, interpret, "fp8_matmul"))
+    if chained and wa.ndim == 2 and wb.ndim == 2 and wb.shape[1] == wa.shape[0] \
+            and bs.resolved(1, wb.shape[0], wb.shape[1]).block_m == 1:
+        g, k = x.shape[-2:]
+        n_a = wa.shape[0]
+        for name, w, s, kw in (("wa", wa, sa, k), ("wb", wb, sb, n_a)):
+            if w.dtype != jnp.float8_e4m3fn or w.shape[1] != kw:
+                raise ValueError(f"fp8_matmul.grouped_linear: {name} must be e4m3 [N, {kw}], got {w.shape=} {w.dtype=}")
+            _validate_scale(f"fp8_matmul.grouped_linear ({name})", w, s)
+        parts = None
+        if n_a % g == 0:
+            parts = _kernel_or_none(x.reshape(1, g * k), (wa,), (sa,), interpret, bs, groups=g, keep_splits=True)
+        if parts is not None:
+            pa = parts[0]  # fp32 partial sums [S, 1, n_a], or bf16 [1, n_a] from one split
+            out = _kernel_or_none(pa, (wb,), (sb,), interpret, bs, quantise=True)
+            if out is not None:
+                return out[0].reshape(*lead, wb.shape[0])
+    y = grouped(x, wa, sa, implementation=implementation, interpret=interpret, block_sizes=block_sizes)
+    return linear(y.reshape(*lead, -1), wb, sb, implementation=implementation, interpret=interpret,
+                  block_sizes=block_sizes)
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))

@@ -121,8 +121,9 @@ def _norm_factor(x_ref, k: int, block_k: int, eps: float) -> jax.Array:
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
             split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool, group_sums: bool,
-            norm_eps: float | None, interpret: bool):
-    # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K);
+            norm_eps: float | None, interpret: bool, x_splits: int):
+    # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K;
+    # x_splits > 1: [x_splits, 1, K] fp32 partial sums of the row);
     # with norm_eps, nw_ref [1, K] bf16 (the RMSNorm weight); then per weight t: w_ref [N_t, K]
     # e4m3 ("native") or int8 ("bits"), then s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16
     # or [splits, M, N_t] fp32 when split.
@@ -148,8 +149,14 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
 
         def body(step, acc):
             kb = ks * k_steps + step
-            xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(x0 + kb * block_k, block_k)], mask=rows < m,
-                            other=0.0)
+            if x_splits > 1:  # the row's partial sums, added in split order and rounded to bf16
+                xb = x_ref[0, pl.ds(0, 1), pl.ds(kb * block_k, block_k)]
+                for sp in range(1, x_splits):
+                    xb = xb + x_ref[sp, pl.ds(0, 1), pl.ds(kb * block_k, block_k)]
+                xb = round_bf16_f32(xb, interpret)
+            else:
+                xb = plgpu.load(x_ref.at[pl.ds(m0, block_m), pl.ds(x0 + kb * block_k, block_k)], mask=rows < m,
+                                other=0.0)
             wb = w_ref[pl.ds(n0, block_n), pl.ds(kb * block_k, block_k)]
             sb = s_ref[pl.ds(n0 // QBLOCK, sn), pl.ds(kb * sk, sk)].astype(jnp.int32)  # [bn/32, bk/32]
             wf = wb.astype(jnp.float32) if decode == "native" else _e4m3_bits_f32(wb.astype(jnp.int32))
@@ -213,14 +220,23 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     scale multiplies it (module docstring).
     `norm` (weight bf16 [K], eps): one row (block_m 1, no groups) before its RMSNorm, applied in
     the kernel (module docstring): the launch takes `numerics.rms_norm(x, weight, eps)`'s place.
+    x may also be fp32 [S, 1, K]: one row as the S K-split partial sums of the launch before
+    (block_m 1, no groups, no norm), added in split order and rounded to bf16 as each x tile is
+    loaded, in place of the caller's sum.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
-    m = x.shape[0]
-    k = ws[0].shape[-1] if ws else x.shape[1]
-    if groups < 1 or (groups > 1 and len(ws) != 1) or x.shape[1] != groups * k:
-        raise NotImplementedError(f"x [M, groups * K] with groups >= 1 (one matrix when > 1), got {x.shape=} "
+    x_splits = x.shape[0] if x.ndim == 3 else 1
+    if x.ndim == 3 and (x.shape[1] != 1 or x.dtype != jnp.float32 or block_m != 1 or groups != 1
+                        or norm is not None):
+        raise NotImplementedError(f"partial sums of one row: fp32 [S, 1, K] with block_m 1, no groups, no norm; "
+                                  f"got {x.shape=} {x.dtype=} {block_m=} {groups=} norm={norm is not None}")
+    xv = jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if x.ndim == 3 else x  # the row(s) [M, K] the checks see
+    m = xv.shape[0]
+    k = ws[0].shape[-1] if ws else xv.shape[1]
+    if groups < 1 or (groups > 1 and len(ws) != 1) or xv.shape[1] != groups * k:
+        raise NotImplementedError(f"x [M, groups * K] with groups >= 1 (one matrix when > 1), got {xv.shape=} "
                                   f"{groups=} K={k} for {len(ws)} matrices")
-    if quantise and (block_m != 1 or groups != 1 or x.dtype not in (jnp.bfloat16, jnp.float32)):
+    if quantise and (block_m != 1 or groups != 1 or xv.dtype not in (jnp.bfloat16, jnp.float32)):
         raise NotImplementedError(f"the in-kernel quantiser takes one bf16 or fp32 row (block_m 1, no groups), got "
                                   f"{block_m=} {groups=} {x.dtype=}")
     if norm is not None and (block_m != 1 or groups != 1 or norm[0].shape != (k,)):
@@ -228,7 +244,7 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
                                   f"got {block_m=} {groups=} weight {norm[0].shape}")
     if group_sums and block_m != 1:
         raise NotImplementedError(f"group_sums is the one-row (block_m 1) product sum, got {block_m=}")
-    if x.dtype != jnp.bfloat16 and not quantise:
+    if xv.dtype != jnp.bfloat16 and not quantise:
         raise NotImplementedError(f"bf16 rows only, got {x.dtype=}")
     if not ws or len(ws) != len(ss):
         raise NotImplementedError(f"one scale per weight, got {len(ws)} weights and {len(ss)} scales")
@@ -252,7 +268,7 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
             raise NotImplementedError(f"scale {s.shape} is not [{n // QBLOCK}, {k // QBLOCK}]")
         if max(n * k, m * max(groups * k, n) * k_splits) >= 2**31:
             raise NotImplementedError(f"operands too large for int32 element offsets ({w.shape=}, {x.shape=})")
-    smem = num_stages * (block_m * block_k * x.dtype.itemsize + block_n * block_k
+    smem = num_stages * (block_m * block_k * xv.dtype.itemsize * x_splits + block_n * block_k
                          + (block_n // QBLOCK) * (block_k // QBLOCK))
     if smem > SMEM_LIMIT:
         raise NotImplementedError(f"tiles need ~{smem} B of shared memory > {SMEM_LIMIT} "
@@ -266,7 +282,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
                                k_steps=k // block_k // k_splits, decode=decode, split=split, col_blocks=col_blocks,
                                group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k,
                                quantise=quantise, group_sums=group_sums,
-                               norm_eps=None if norm is None else float(norm[1]), interpret=interpret)
+                               norm_eps=None if norm is None else float(norm[1]), interpret=interpret,
+                               x_splits=x_splits)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
