@@ -523,8 +523,8 @@ def test_one_row_partial_sums_in_the_kernel_equal_their_sum_then_the_kernel(inte
     row = jnp.asarray(np.asarray(total).astype(ml_dtypes.bfloat16))
     mats = [make(rng, 1, n, k)[1:3] for n in (64, 96)]
     ws, ss = tuple(w for w, _ in mats), tuple(s for _, s in mats)
-    kw = dict(block_m=1, block_n=32, block_k=128, k_splits=k_splits, num_warps=4, num_stages=3, decode="native",
-              interpret=interpret, quantise=True, group_sums=group_sums)
+    kw = {"block_m": 1, "block_n": 32, "block_k": 128, "k_splits": k_splits, "num_warps": 4, "num_stages": 3,
+          "decode": "native", "interpret": interpret, "quantise": True, "group_sums": group_sums}
     got = kernel_gpu.fp8_matmul_many(parts, ws, ss, **kw)
     want = kernel_gpu.fp8_matmul_many(row, ws, ss, **kw)
     assert np.any(np.asarray(row, np.float32) != np.asarray(parts[0], np.float32))
