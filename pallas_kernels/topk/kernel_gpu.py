@@ -143,7 +143,7 @@ def score_keys32(x: jax.Array) -> jax.Array:
 
 
 def _router_kernel(s_ref, b_ref, w_ref, i_ref, *, width: int, padded: int, k: int, k_pad: int,
-                   score_func: str | None, bias_rows: int):
+                   score_func: str | None, bias_rows: int, interpret: bool):
     # s_ref, b_ref [R, width] f32 (scores, biased scores); with score_func s_ref holds the
     # logits and b_ref the bias [bias_rows, width]; w_ref [R, k] f32, i_ref [R, k] int32
     row = pl.program_id(0)
@@ -152,7 +152,7 @@ def _router_kernel(s_ref, b_ref, w_ref, i_ref, *, width: int, padded: int, k: in
     scores = plgpu.load(s_ref.at[row, col], mask=live, other=0.0)
     biased = plgpu.load(b_ref.at[row if bias_rows > 1 else 0, col], mask=live, other=0.0)
     if score_func is not None:
-        scores = _ref.router_scores(scores, score_func)
+        scores = _ref.router_scores(scores, score_func, barrier=interpret)  # (interpret: XLA runs it)
         biased = scores + biased
     key = jnp.where(live, score_keys32(biased), jnp.int32(_INT_MIN))
     bits = jax.lax.bitcast_convert_type(scores, jnp.int32)
@@ -196,7 +196,7 @@ def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, num_warps: int 
         raise NotImplementedError(f"k must be in [1, min(E={width}, 64)], got {k=}")
     padded, warps = _row_program(r, width, ROUTER_MAX_WIDTH, num_warps, 256, 4)
     kernel = functools.partial(_router_kernel, width=width, padded=padded, k=k, k_pad=max(2, 1 << (k - 1).bit_length()),
-                               score_func=score_func, bias_rows=biased.shape[0])
+                               score_func=score_func, bias_rows=biased.shape[0], interpret=interpret)
     return pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)),
         grid=(r,), interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
