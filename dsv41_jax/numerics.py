@@ -97,8 +97,14 @@ def mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
 def sqrt(x: jax.Array) -> jax.Array:
     """The correctly rounded f32 square root, as torch.sqrt rounds: XLA:GPU's f32 square root is
     not correctly rounded (measured on an H200: tests/test_numerics.py), so it is taken in float64
-    and rounded once (a float64 root of an f32 value rounds to the correctly rounded f32 root)."""
-    return in_float64(jnp.sqrt, x)
+    and rounded once (a float64 root of an f32 value rounds to the correctly rounded f32 root).
+
+    The rounding is made in float64 (`reduce_precision` to f32's 8 exponent and 23 mantissa bits,
+    exact here: the root of an f32 value is never an f32 subnormal, the range it would flush)
+    before the conversion: a consumer that widens the root again (`exact_div`'s correction in
+    `reciprocal_sqrt`) otherwise lets XLA:GPU drop the f64 -> f32 -> f64 convert pair and use the
+    unrounded root (measured on an H100, jax 0.11.2: 1 / root wrong in 27% of 65536 values)."""
+    return in_float64(lambda v: jax.lax.reduce_precision(jnp.sqrt(v), exponent_bits=8, mantissa_bits=23), x)
 
 
 def reciprocal_sqrt(x: jax.Array) -> jax.Array:
@@ -124,8 +130,11 @@ def in_float64(fn, x: jax.Array) -> jax.Array:
     H200 XLA:GPU keeps these float64 evaluations in float64 (the optimized HLO, also when fused
     with the producer and consumer) and they match torch's on all 8192 test inputs, the square
     root on 65536; a barrier cost 53 extra kernels and 66 µs of device time per decode step of
-    the six-layer benchmark (benchmarks/README.md, ninth run). TPUs have no float64 and run fn
-    in f32. `reciprocal_sqrt` takes its square root this way too.
+    the six-layer benchmark (benchmarks/README.md, ninth run). But where a consumer widens the
+    result to float64 again, XLA:GPU may drop that f64 -> f32 -> f64 convert pair and use the
+    unrounded value: `sqrt` rounds inside float64 first, the router's square root of its softplus
+    takes a barrier (`pallas_kernels.topk.reference.router_scores`). TPUs have no float64 and
+    run fn in f32. `reciprocal_sqrt` takes its square root this way too.
     """
     if x.dtype == jnp.float32 and platform() != "tpu":
         with jax.enable_x64(True):

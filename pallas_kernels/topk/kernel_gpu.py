@@ -16,8 +16,8 @@ one program (MAX_WIDTH) run in chunks and then over the chunks' candidates (`_to
 `router_topk` is the MoE gate's selection (a few of a few hundred experts, in rank order): one
 program per row takes the largest 32-bit total-order key k times (ties -> lower column), masking
 each pick out, and reads the pick's unbiased score by its bits. No sort either. It can also form
-the scores from the gate's logits itself (sqrt(softplus) in float64, rounded as XLA's path rounds
-it) and add the bias, saving the launch between the logits and the selection.
+the scores from the gate's logits itself (sqrt(softplus) in float64, each rounded once to f32 as
+torch rounds them) and add the bias, saving the launch between the logits and the selection.
 """
 
 from __future__ import annotations

@@ -34,14 +34,17 @@ def router_scores(logits: jax.Array, score_func: str, *, barrier: bool = True) -
     otherwise drops the f64 -> f32 -> f64 convert pair between the two float64 evaluations and
     takes the root of the unrounded softplus (measured on an H100: 12.7% of 65536 scores one ulp
     off, each function alone exact). The Triton kernel (`kernel_gpu.router_topk`, compiled) keeps
-    the rounding without one (and has no barrier to lower)."""
+    the rounding without one (and lowers neither the barrier nor `numerics.sqrt`'s
+    reduce_precision)."""
     if score_func == "softmax":
         return jax.nn.softmax(logits, axis=-1)
     if score_func == "sigmoid":
         return in_float64(jax.nn.sigmoid, logits)
     if score_func == "sqrtsoftplus":
         soft = in_float64(jax.nn.softplus, logits)
-        return sqrt(jax.lax.optimization_barrier(soft) if barrier else soft)
+        if not barrier:  # (in the Triton kernel: the plain float64 root, rounded once)
+            return in_float64(jnp.sqrt, soft)
+        return sqrt(jax.lax.optimization_barrier(soft))
     raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
 
 
