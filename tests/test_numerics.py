@@ -8,6 +8,7 @@ parity failed from the first compressed layer on.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -207,3 +208,53 @@ def test_in_float64_gives_the_oracles_softplus_silu_and_sigmoid_bit_for_bit():
         got = np.asarray(jax.jit(lambda v, fn=fn: in_float64(fn, v))(x)).view(np.int32)
         np.testing.assert_array_equal(got, want, err_msg=name)
         assert np.mean(np.asarray(jax.jit(fn)(x)).view(np.int32) != want) > 0.1, name
+
+
+def _droppable_roundings(hlo: str) -> dict[str, int]:
+    """f64 -> f32 -> f64 convert pairs in an (unoptimised) HLO text whose float64 value is not a
+    `reduce_precision` output, counted by the op_name of that value. XLA:GPU removes such pairs
+    (excess precision allowed), so the consumer sees the unrounded float64 value; after a
+    reduce_precision to f32's bits the pair is exact and removing it changes nothing."""
+    defs, found = {}, {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?(\S+) = (\w+)\[[^\]]*\]\S*\s+([\w-]+)\(%?([^,)\s]+)", line)
+        if not m:
+            continue
+        name, dtype, op, src = m.groups()
+        defs[name] = (dtype, op, src, line)
+        if op == "convert" and dtype == "f64" and defs.get(src, ("",))[0] == "f32" and defs[src][1] == "convert":
+            wide = defs.get(defs[src][2])
+            if wide and wide[0] == "f64" and wide[1] != "reduce-precision":
+                where = re.search(r'op_name="([^"]*)"', wide[3])
+                key = re.sub(r"layer_\d+/", "", where.group(1)) if where else wide[3].strip()[:80]
+                found[key] = found.get(key, 0) + 1
+    return found
+
+
+def _gpu_hlo(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo", debug_info=True)
+
+
+def test_no_float64_rounding_the_gpu_compiler_may_drop_in_a_decode_step():
+    """The golden model's decode step lowered for a GPU (the XLA path: every numerics helper)
+    widens no f32 rounding of a float64 value back to float64 unless that rounding was made by
+    reduce_precision. XLA:GPU drops such convert pairs: measured on an H100 (jax 0.11.2), the
+    square root in `reciprocal_sqrt`'s correction and the router's sqrt(softplus) came out one
+    ulp off in 27% and 13% of values. The check finds the old `reciprocal_sqrt`."""
+    from conftest import GOLDEN_DIRS
+
+    from dsv41_jax import parity
+    from dsv41_jax.parity import GoldenSet
+
+    old = lambda x: exact_div(jnp.ones_like(x), numerics.in_float64(jnp.sqrt, x))
+    x = jnp.ones((8,), jnp.float32)
+    assert sum(_droppable_roundings(_gpu_hlo(old, x)).values()) == 1
+    assert _droppable_roundings(_gpu_hlo(reciprocal_sqrt, x)) == {}
+    gs = GoldenSet(GOLDEN_DIRS[0])
+    model = parity.load_model(gs)
+    cache = parity.teacher_forced_cache(model, gs)
+    ids = jnp.asarray(gs["decode.input"][0], jnp.int32)
+    pos = jnp.full(ids.shape, int(gs["decode.start_pos"][0]), jnp.int32)
+    hlo = _gpu_hlo(lambda i, p, c: model.decode_step(i, p, c)[0], ids, pos, cache)
+    assert "f64" in hlo
+    assert _droppable_roundings(hlo) == {}
