@@ -69,9 +69,10 @@ class Block(nnx.Module):
 
     def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend,
                  collapsed: jax.Array | None):
-        """The block around an attention call `attend(attn_norm(h), h) -> (out, extra)`; returns (x, this
-        block's FFN pre-mix, hc_pre(x, that pre-mix), extra, MoE aux). `collapsed`, when given,
-        is hc_pre(x, pre_mix) (the previous block's third result; `mhc.hc_post_pre`)."""
+        """The block around an attention call `attend(attn_norm(h), h) -> (out, extra)` (h: the
+        collapsed input before its norm); returns (x, this block's FFN pre-mix, hc_pre(x, that
+        pre-mix), extra, MoE aux). `collapsed`, when given, is hc_pre(x, pre_mix) (the previous
+        block's third result; `mhc.hc_post_pre`)."""
         residual = x
         attn_pre, attn_post, attn_comb = self._mixes(x, "attn")
         h = hc_pre(x, pre_mix) if collapsed is None else collapsed
