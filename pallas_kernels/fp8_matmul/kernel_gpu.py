@@ -38,7 +38,8 @@ weight: every program forms the row's sum of squares (the whole row, in one fixe
 programs agree), then 1 / sqrt(mean + eps) with the mean, root and reciprocal correctly rounded
 (float64 division and root, rounded once to fp32) as `numerics.rms_norm`, and normalises each x
 tile it loads (w * (x * r), rounded to bf16 for a bf16 row) before the quantiser: the launches of
-the norm's mean and its application are saved. Only the sum of squares' order differs from XLA's.
+the norm's mean and its application are saved. Only the sum of squares can round otherwise than
+XLA's (its order; compiled, Triton may also fuse a square into its add).
 
 Grouped ("groups" = G > 1, the attention's block-diagonal `wo_a`): x [M, G*K] holds G inputs
 side by side and the weight's N rows form G equal groups; output column n belongs to group
