@@ -45,7 +45,8 @@ else resolves the default "auto" on the random weights as the loaders do: on); `
 `fast` with the routed experts' decode gather as one-row programs without tensor cores
 (`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-f64k` is `fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
-`sparse_attention.BlockSizes.f64_kernel`). `--tiny` runs
+`sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
+inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`). `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -89,12 +90,14 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "auto" resolves
 # to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold;
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
-# "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`)
+# "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
+# "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`)
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
          "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
-         "reference": ("reference", "auto", "auto")}
+         "fast-gatenorm": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
 # path -> (module class name, attribute) set on every such module of the model
-PATH_FLAGS = {"fast-onerow": ("Experts", "one_row"), "fast-f64k": ("Attention", "f64_kernel")}
+PATH_FLAGS = {"fast-onerow": ("Experts", "one_row"), "fast-f64k": ("Attention", "f64_kernel"),
+              "fast-gatenorm": ("Gate", "norm_logits")}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -273,7 +276,8 @@ def random_model(args: ModelArgs, seed: int = 0):
 
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module attribute `PATH_FLAGS[path]` set on every module of that
-    class ("fast-onerow": `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`); other paths
+    class ("fast-onerow": `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm":
+    `Gate.norm_logits`); other paths
     unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state

@@ -81,7 +81,7 @@ class Block(nnx.Module):
 
         residual = x
         ffn_pre, ffn_post, ffn_comb = self._mixes(x, "ffn")
-        h, moe_aux = self.ffn(self.ffn_norm(h), image_mask)
+        h, moe_aux = self.ffn(h, image_mask, norm=self.ffn_norm)
         x, collapsed = hc_post_pre(h, residual, ffn_post, ffn_comb, ffn_pre)
         return x, ffn_pre, collapsed, extra, moe_aux
 

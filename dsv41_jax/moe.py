@@ -36,7 +36,8 @@ from dsv41_jax.layers import Linear, WeightDtype, apply_linear, apply_linears, l
 from dsv41_jax.numerics import cast, exact_div, in_float64
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
-from pallas_kernels.topk.api import router_topk_scored
+from pallas_kernels.topk.api import BlockSizes as TopkBlockSizes
+from pallas_kernels.topk.api import router_logits, router_topk_scored
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -53,7 +54,11 @@ MoEPath = Literal["auto", "gather", "grouped"]
 
 class Gate(nnx.Module):
     """Router (SPEC §6.1). Params: weight bf16 [E, dim], bias f32 [E], bias_vl f32 [E] (only when
-    the config has a vision tower; it replaces `bias` for image-span tokens)."""
+    the config has a vision tower; it replaces `bias` for image-span tokens).
+
+    `norm_logits` (off; set on the module to try it): a single row handed over with the FFN's
+    RMSNorm (`logits(x, norm)`) is normalised inside the logits' launch on the kernel path
+    (`pallas_kernels.topk.router_logits`, `BlockSizes.norm_logits`)."""
 
     def __init__(self, layer_id: int, args: ModelArgs):
         n_experts, topk = args.moe_experts(layer_id)
@@ -66,15 +71,25 @@ class Gate(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((n_experts, args.dim), _BF16))
         self.bias = nnx.Param(jnp.zeros((n_experts,), _F32))
         self.bias_vl = nnx.Param(jnp.zeros((n_experts,), _F32)) if args.vision_enabled else None
+        self.norm_logits = False
 
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, dim] (bf16), image_mask [N] bool or None -> (weights f32 [N, k], indices int32 [N, k]).
 
         Indices are in top-k order (descending biased score; ties -> lower expert id)."""
-        logits = jax.lax.dot_general(
-            x.astype(_F32), self.weight[...].astype(_F32), (((1,), (1,)), ((), ())),
-            precision=_HIGHEST, preferred_element_type=_F32,
-        )
+        return self.route(self.logits(x)[0], image_mask)
+
+    def logits(self, x: jax.Array, norm=None, quantise: bool = False) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """x [N, dim] (bf16), norm: an RMSNorm to apply to x first, or None -> (logits f32 [N, E],
+        the row the gate read: x or norm(x), with `quantise` that row's `quant.act_quant_bf16`
+        values, else None). Exact bf16 products summed in f32."""
+        nw, eps = (None, None) if norm is None else (norm.weight[...], norm.eps)
+        return router_logits(x, self.weight[...], norm_weight=nw, norm_eps=eps, quantise=quantise,
+                             implementation=self.kernels, interpret=self.kernels_interpret,
+                             block_sizes=TopkBlockSizes(norm_logits=self.norm_logits))
+
+    def route(self, logits: jax.Array, image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """The gate from its logits f32 [N, E] -> (weights f32 [N, k], indices int32 [N, k])."""
         if self.gate_temp != 1.0:  # torch divides (XLA would multiply by the rounded reciprocal)
             logits = exact_div(logits, _F32(self.gate_temp))
         bias = self.bias[...]
@@ -353,8 +368,11 @@ class MoE(nnx.Module):
                                **linear_kernels(args), scale_fold=args.fp4_scale_fold == "on")
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, plain, args.swiglu_limit, **linear_kernels(args))
 
-    def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto"):
-        """x [b, s, dim] bf16, image_mask [b, s] bool or None.
+    def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, *, path: MoEPath = "auto",
+                 norm=None):
+        """x [b, s, dim] bf16, image_mask [b, s] bool or None; norm: the RMSNorm the MoE input
+        still needs (the block's `ffn_norm`: the MoE runs on norm(x)), or None (x is its input).
+        A single row's norm can then run inside the gate's logits launch (`Gate.norm_logits`).
 
         Returns (y [b, s, dim] bf16, {"route_idx": int32 [b*s, k], "route_w": f32 [b*s, k]}).
 
@@ -366,6 +384,7 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE path must be 'auto', 'gather' or 'grouped', got {path!r}")
         ep_mesh = expert_parallel.active_expert_mesh()
         if ep_mesh is not None:
+            x = x if norm is None else norm(x)
             y, weights, indices = expert_parallel.moe_forward(
                 self, x.reshape(-1, self.dim), None if image_mask is None else image_mask.reshape(-1), mesh=ep_mesh,
                 pattern={"auto": "auto", "gather": "replicated", "grouped": "all_to_all"}[path])
@@ -373,11 +392,13 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         n, k = x.shape[0], self.topk
-        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        quantised = self.experts.dtype in ("fp8", "fp4")
+        logits, x, xq = self.gate.logits(x, norm, quantise=quantised)
+        weights, indices = self.gate.route(logits, None if image_mask is None else image_mask.reshape(-1))
         if path == "auto":
             path = "gather" if n * k <= self.gather_max_pairs else "grouped"
         # act_quant works per token, so each token is quantised once for all of its experts
-        xq = _quantise_input(x, self.experts.dtype)
+        xq = _quantise_input(x, self.experts.dtype) if xq is None else xq
         route = self._routed_gather if path == "gather" else self._routed_grouped
         pair_out = route(xq, weights, indices)
         y = combine(pair_out.reshape(n, k, self.dim), indices, self.shared_experts(x))

@@ -33,7 +33,7 @@ from dsv41_jax.engram import engram_hash
 from dsv41_jax.loading import load_hub_weights, resolve_fp4_scale_fold
 from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.model import Transformer
-from dsv41_jax.moe import Experts
+from dsv41_jax.moe import Experts, Gate
 
 # Parts of a golden checkpoint that the text model does not hold (vision tower, DSpark stages).
 NOT_IN_TEXT_MODEL = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
@@ -430,12 +430,15 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
                fp4_scale_fold: str = "auto",
                attn_f64_kernel: bool = False,
-               experts_one_row: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               experts_one_row: bool = False,
+               gate_norm_logits: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
     `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `attn_f64_kernel`: set
     `Attention.f64_kernel` on every layer (float64 attention on the GPU kernel's float64 program);
-    `experts_one_row`: set `Experts.one_row` on every layer (the decode gather as one-row programs).
+    `experts_one_row`: set `Experts.one_row` on every layer (the decode gather as one-row programs);
+    `gate_norm_logits`: set `Gate.norm_logits` on every layer (a single row's FFN norm inside the
+    gate's logits launch).
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
@@ -445,6 +448,8 @@ def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_a
             m.f64_kernel = True
         if experts_one_row and isinstance(m, Experts):
             m.one_row = True
+        if gate_norm_logits and isinstance(m, Gate):
+            m.norm_logits = True
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -498,6 +503,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts-one-row", action="store_true",
                    help="Experts.one_row: the routed experts' decode gather as one-row programs without tensor "
                         "cores (GPU kernel only)")
+    p.add_argument("--gate-norm-logits", action="store_true",
+                   help="Gate.norm_logits: a single row's FFN norm (and the experts' quantiser) inside the gate's "
+                        "logits launch (GPU kernel only)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -509,7 +517,8 @@ def main(argv=None) -> int:
         port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only,
                                               attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold,
                                               attn_f64_kernel=ns.attn_f64_kernel,
-                                              experts_one_row=ns.experts_one_row)
+                                              experts_one_row=ns.experts_one_row,
+                                              gate_norm_logits=ns.gate_norm_logits)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

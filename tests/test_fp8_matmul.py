@@ -23,6 +23,7 @@ from flax import nnx
 from dsv41_jax import quant
 from dsv41_jax.layers import Linear
 from dsv41_jax.numerics import rms_norm
+from pallas_kernels._triton import act_quant_row
 from pallas_kernels.fp8_matmul import api, kernel_gpu
 from pallas_kernels.fp8_matmul import reference as ref
 
@@ -380,10 +381,10 @@ def _quantiser_inputs(rng, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_in_kernel_quantiser_equals_act_quant_bf16(dtype):
-    """kernel_gpu._act_quant_row (the one-row kernel's quantiser) gives `quant.act_quant_bf16`'s
+    """`_triton.act_quant_row` (the one-row kernels' quantiser) gives `quant.act_quant_bf16`'s
     values bit for bit: scales over 60 binades, zero blocks, exact e4m3 ties."""
     rng = np.random.default_rng(21)
-    row = jax.jit(kernel_gpu._act_quant_row)
+    row = jax.jit(act_quant_row)
     want = jax.jit(lambda x: quant.act_quant_bf16(x).astype(jnp.float32))
     for _ in range(8):
         x = jnp.asarray(_quantiser_inputs(rng, 2048), dtype)

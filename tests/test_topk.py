@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dsv41_jax import quant
 from dsv41_jax.attention import select_topk
 from pallas_kernels.topk import api, kernel_gpu
 from pallas_kernels.topk import reference as ref
@@ -380,3 +381,145 @@ def test_gate_on_the_kernel_path_routes_as_the_reference_path():
     assert out["reference"][1].shape == (5, 6)
     for got, want in zip(out["pallas"], out["reference"], strict=True):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _norm_row(rng, k: int, scale_exp: int) -> np.ndarray:
+    """[1, k] bf16 values +-n * 2^(scale_exp - 4), 32 <= n <= 63 (one binade): every square and
+    partial sum of squares (k <= 2048) is exact in fp32, so the norm's mean is the same in any
+    order."""
+    n = rng.integers(32, 64, k) * rng.choice([-1, 1], k)
+    return (n * 2.0 ** (scale_exp - 4)).astype(ml_dtypes.bfloat16)[None]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[pytest.mark.gpu, needs_gpu])])
+def test_router_logits_with_the_norm_in_the_kernel(interpret):
+    """`router_logits` of one row with its RMSNorm in the kernel (interpret, or compiled on a GPU):
+    where the norm's sum of squares and the logits' sums are exact in any order (rows of one
+    binade at scales over 40 binades, weights in {-1, 0, 1} / 8) the normalised row and the logits equal the
+    reference's bit for bit; on normal rows the normalised row is nearly always identical and
+    every logit is within the f32 summation bound of the float64 sum of its own exact products;
+    the quantised row is always `act_quant_bf16` of the normalised one; a NaN in the row makes
+    every output NaN (the norm's mean is NaN)."""
+    rng = np.random.default_rng(31)
+    e, k = 64, 1024
+    nw = jnp.asarray(1 + rng.integers(-8, 9, k) / 64, jnp.bfloat16)
+    bs = api.BlockSizes(norm_logits=True)
+
+    def both(x, w):
+        got = api.router_logits(x, w, norm_weight=nw, norm_eps=1e-6, quantise=True, implementation="pallas",
+                                interpret=interpret, block_sizes=bs)
+        want = ref.router_logits(x, w, nw, 1e-6, quantise=True)
+        return [np.asarray(a) for a in got], [np.asarray(a) for a in want]
+
+    w_exact = jnp.asarray(rng.integers(-1, 2, (e, k)) / 8, jnp.bfloat16)
+    for scale_exp in (-20, -3, 0, 5, 20):
+        x = jnp.asarray(_norm_row(rng, k, scale_exp))
+        (lg, xn, xq), (want_lg, want_xn, want_xq) = both(x, w_exact)
+        assert xn.dtype == want_xn.dtype == xq.dtype == jnp.bfloat16 and lg.shape == (1, e)
+        np.testing.assert_array_equal(xn.view(np.uint16), want_xn.view(np.uint16))
+        np.testing.assert_array_equal(xq.view(np.uint16), want_xq.view(np.uint16))
+        assert not np.array_equal(xq.view(np.uint16), xn.view(np.uint16))  # the quantiser moved values
+        # the normalised row: 8 significant bits over at most 3 binades (the row's one, the norm
+        # weight's 1 +- 1/8); the weights one bit: every partial sum of the 1024 products is a
+        # multiple of the smallest product's last bit below 2^21 of them, exact in fp32
+        np.testing.assert_array_equal(lg.view(np.uint32), want_lg.view(np.uint32))
+    same = []
+    w = jnp.asarray(rng.standard_normal((e, k)) * 0.05, jnp.bfloat16)
+    for _ in range(6):
+        x = jnp.asarray(rng.standard_normal((1, k)) * 3, jnp.bfloat16)
+        (lg, xn, xq), (_, want_xn, _) = both(x, w)
+        same.append(np.mean(xn.view(np.uint16) == want_xn.view(np.uint16)))
+        np.testing.assert_array_equal(xq.view(np.uint16), np.asarray(quant.act_quant_bf16(xn)).view(np.uint16))
+        p = xn.astype(np.float64) * np.asarray(w, np.float64)  # [e, k] exact products
+        exact = p.sum(axis=1)
+        bound = k * 2.0**-24 * np.abs(p).sum(axis=1)
+        assert np.all(np.abs(lg[0].astype(np.float64) - exact) <= bound)
+    assert np.mean(same) >= 0.95
+    x = jnp.asarray(_norm_row(rng, k, 0)).at[0, 7].set(np.nan)
+    (lg, xn, xq), _ = both(x, w)
+    assert np.all(np.isnan(lg)) and np.all(np.isnan(xn.astype(np.float32)))
+    assert np.all(np.isnan(xq.astype(np.float32)))
+
+
+def test_router_logits_takes_the_reference_unless_one_row_with_a_norm_and_the_switch(caplog):
+    """Without a norm, with two rows, with `norm_logits` off or with a shape the kernel refuses
+    (a warning) `router_logits` is the reference's; bad arguments are rejected."""
+    rng = np.random.default_rng(32)
+    e, k = 16, 256
+    w = jnp.asarray(rng.standard_normal((e, k)), jnp.bfloat16)
+    nw = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
+    x2 = jnp.asarray(rng.standard_normal((2, k)), jnp.bfloat16)
+    on = api.BlockSizes(norm_logits=True)
+
+    def same(got, want):
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    kw = {"implementation": "pallas", "interpret": True}
+    same(api.router_logits(x2[:1], w, block_sizes=on, **kw), ref.router_logits(x2[:1], w))
+    same(api.router_logits(x2, w, norm_weight=nw, norm_eps=1e-6, block_sizes=on, **kw),
+         ref.router_logits(x2, w, nw, 1e-6))
+    calls = []
+    original = kernel_gpu.router_logits
+    try:
+        kernel_gpu.router_logits = lambda *a, **kw_: calls.append(1) or original(*a, **kw_)
+        api.router_logits(x2[:1], w, norm_weight=nw, norm_eps=1e-6, **kw)  # the switch is off by default
+        assert not calls
+        api.router_logits(x2[:1], w, norm_weight=nw, norm_eps=1e-6, block_sizes=on, **kw)
+        assert calls == [1]
+    finally:
+        kernel_gpu.router_logits = original
+    odd = jnp.asarray(rng.standard_normal((1, 40)), jnp.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels.topk.api"):
+        got = api.router_logits(odd, w[:, :40], norm_weight=nw[:40], norm_eps=1e-6, block_sizes=on, **kw)
+    assert "router_logits: kernel does not handle" in caplog.text
+    same(got, ref.router_logits(odd, w[:, :40], nw[:40], 1e-6))
+    with pytest.raises(ValueError, match="go together"):
+        api.router_logits(x2, w, norm_weight=nw)
+    with pytest.raises(ValueError, match=r"x \[N, K\] and weight \[E, K\]"):
+        api.router_logits(x2, w[:, :8])
+
+
+def test_router_logits_kernel_lowers_to_triton_for_cuda():
+    x, nw = jnp.zeros((1, 5120), jnp.bfloat16), jnp.ones((5120,), jnp.bfloat16)
+    w = jnp.zeros((384, 5120), jnp.bfloat16)
+    f = lambda x, w, nw: kernel_gpu.router_logits(x, w, nw, 1e-20, interpret=False)
+    assert "router_logits" in jax.jit(f).trace(x, w, nw).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_model_decode_step_with_the_ffn_norm_in_the_gate_launch(monkeypatch):
+    """The one-row golden decode step with `Gate.norm_logits` on every layer (kernels "pallas",
+    interpret): each MoE's gate runs `router_logits` with the FFN norm (one launch a layer) and
+    the step's logits equal the reference path's (measured: bit-identical on the first golden
+    set's first step on CPU)."""
+    from conftest import GOLDEN_DIRS
+    from flax import nnx
+
+    from dsv41_jax import parity
+    from dsv41_jax.moe import Gate
+    from dsv41_jax.parity import GoldenSet
+
+    gs = GoldenSet(GOLDEN_DIRS[0])
+    model = parity.load_model(gs, kernels="pallas", kernels_interpret=True)
+    gates = [m for _, m in nnx.iter_modules(model) if isinstance(m, Gate)]
+    assert len(gates) == gs.args.n_layers
+    for g in gates:
+        g.norm_logits = True
+    calls = []
+    original = kernel_gpu.router_logits
+    monkeypatch.setattr(kernel_gpu, "router_logits",
+                        lambda x, w, *a, **kw: calls.append((x.shape, w.shape)) or original(x, w, *a, **kw))
+    jax.clear_caches()
+    cache = jax.tree.map(lambda a: a[:1], parity.teacher_forced_cache(parity.load_model(gs), gs))
+
+    def first_step(m):
+        ids = jnp.asarray(gs["decode.input"][0], jnp.int32)[:1]
+        logits, _ = m.decode_step(ids, jnp.full(ids.shape, int(gs["decode.start_pos"][0]), jnp.int32), cache)
+        return np.asarray(logits, np.float32)
+
+    got = first_step(model)
+    a = gs.args
+    assert calls and set(calls) == {((1, a.dim), (a.n_routed_experts, a.dim))}
+    np.testing.assert_array_equal(got, first_step(parity.load_model(gs)))

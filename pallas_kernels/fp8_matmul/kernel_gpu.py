@@ -58,8 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dsv41_jax import quant
-from pallas_kernels._triton import SMEM_LIMIT, e8m0_f32, is_pow2, round_bf16_f32
+from pallas_kernels._triton import SMEM_LIMIT, act_quant_row, e8m0_f32, is_pow2, rms_factor, round_bf16_f32
 
 QBLOCK = 32  # weight scale block (rows and columns)
 
@@ -74,50 +73,6 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
     v = jnp.where(mag < 8, sub, normal)
     v = jnp.where(mag == 0x7F, jnp.float32(jnp.nan), v)
     return jnp.where((code & 0x80) != 0, -v, v)
-
-
-def _act_quant_row(x: jax.Array) -> jax.Array:
-    """x [1, bk] (bf16 / fp32; bk % 32 == 0) -> fp32 [1, bk]: `quant.act_quant_bf16`'s values, from
-    bit operations, multiplies by powers of two and one round-half-even (all exact). Where x is
-    not finite the result is NaN (that element's quantiser output is NaN too, and every product
-    sum it enters is NaN on both paths)."""
-    bk = x.shape[1]
-    xf = x.astype(jnp.float32).reshape(bk // QBLOCK, QBLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), jnp.float32(1e-4))
-    s = quant._pow2_ceil(amax * jnp.float32(1.0 / 448.0))[:, None]
-    inv = jax.lax.bitcast_convert_type((254 << 23) - jax.lax.bitcast_convert_type(s, jnp.int32), jnp.float32)
-    y = jnp.minimum(jnp.maximum(xf * inv, jnp.float32(-448.0)), jnp.float32(448.0))
-    # `quant._round_e4m3` without jnp.round (no Triton lowering): grid step 2^(f-3) for |y| in
-    # [2^f, 2^(f+1)), f >= -6; v = |y| / step < 16 (exact) is rounded to an integer, ties to
-    # even, from its truncation and the exact remainder
-    a = jnp.abs(y)
-    f = jnp.maximum(((jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF) - 127, -6)
-    v = a * jax.lax.bitcast_convert_type((130 - f) << 23, jnp.float32)
-    n = v.astype(jnp.int32)
-    rem = v - n.astype(jnp.float32)
-    n = n + ((rem > 0.5) | ((rem == 0.5) & ((n & 1) == 1))).astype(jnp.int32)
-    r = n.astype(jnp.float32) * jax.lax.bitcast_convert_type((124 + f) << 23, jnp.float32)
-    q = jnp.where(y < 0, -r, r)
-    # a NaN or infinite x makes the quantiser's output NaN (its scale is then NaN or infinite);
-    # Triton's max ignores NaN, so such elements are set to NaN explicitly
-    finite = jnp.abs(xf) <= jnp.float32(3.4028234663852886e38)
-    return jnp.where(finite, q * s, jnp.float32(jnp.nan)).reshape(1, bk)
-
-
-def _norm_factor(x_ref, k: int, block_k: int, eps: float) -> jax.Array:
-    """1 / sqrt(mean(x^2) + eps) of the row x_ref [1, K] as `numerics.rms_norm` forms it: the sum
-    of squares in fp32 (K / block_k tiles added element-wise, then one tree sum: every program
-    of a launch forms the same value), then the mean, the square root and the reciprocal each
-    correctly rounded (float64 division and root of f32 values, rounded once). -> f32 [1, 1]."""
-    sq = None
-    for c in range(k // block_k):  # unrolled: the tiles' loads are independent
-        xc = x_ref[pl.ds(0, 1), pl.ds(c * block_k, block_k)].astype(jnp.float32)
-        sq = xc * xc if sq is None else sq + xc * xc
-    total = jnp.sum(sq, axis=1, keepdims=True)
-    with jax.enable_x64(True):
-        var = (total.astype(jnp.float64) / jnp.float64(k)).astype(jnp.float32) + jnp.float32(eps)
-        root = jnp.sqrt(var.astype(jnp.float64)).astype(jnp.float32)
-        return (jnp.float64(1.0) / root.astype(jnp.float64)).astype(jnp.float32)
 
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
@@ -143,7 +98,7 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
     def e8m0_wide(sb):  # [bn/32, bk/32] scale bytes -> fp32 [bn, bk], one scale per 32 x 32 block
         return jnp.broadcast_to(e8m0_f32(sb)[:, None, :, None], (sn, QBLOCK, sk, QBLOCK)).reshape(block_n, block_k)
 
-    factor = None if nw_ref is None else _norm_factor(x_ref, k, block_k, norm_eps)
+    factor = None if nw_ref is None else rms_factor(x_ref, k, block_k, norm_eps)
 
     def one_block(w_ref, s_ref, o_ref, n0):
         x0 = 0 if group_cols is None else (n0 // group_cols) * k
@@ -167,7 +122,7 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
                     xb = nwb * (xb.astype(jnp.float32) * factor)
                     if x_ref.dtype == jnp.bfloat16:
                         xb = round_bf16_f32(xb, interpret)
-                xf = _act_quant_row(xb) if quantise else xb.astype(jnp.float32)
+                xf = act_quant_row(xb) if quantise else xb.astype(jnp.float32)
                 if group_sums:  # each 32-long run of unscaled products summed, then times its scale
                     runs = jnp.sum((wf * xf).reshape(block_n, sk, QBLOCK), axis=2)  # [bn, bk/32]
                     s_runs = jnp.broadcast_to(e8m0_f32(sb)[:, None, :], (sn, QBLOCK, sk)).reshape(block_n, sk)

@@ -13,7 +13,9 @@ batch shard.
 `router_topk` is the MoE gate's selection: the k largest biased scores in rank order with the
 unbiased scores there (`lax.top_k` + a gather on the reference path; one launch, no sort, on the
 kernel path), f32 keys in the same total order. `router_topk_scored` takes the gate's logits
-and bias instead (the scores formed in the same launch where the kernel can).
+and bias instead (the scores formed in the same launch where the kernel can). `router_logits`
+forms the gate's logits, for a single row with the FFN's RMSNorm applied in the same launch
+(`BlockSizes.norm_logits`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ Implementation = Literal["auto", "reference", "pallas"]
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """num_warps: Triton warps per row program (None: one per 512 padded columns, 1 to 8)."""
+    """num_warps: Triton warps per row program (None: one per 512 padded columns, 1 to 8).
+    norm_logits: `router_logits` of a single row given with its RMSNorm runs the norm and the
+      logits in one launch (`kernel_gpu.router_logits`) instead of XLA's norm (two launches) and
+      logits. Off by default until timed and checked on a GPU."""
     num_warps: int | None = None
+    norm_logits: bool = False
 
 
 def topk_positions(scores: jax.Array, k: int, *, implementation: Implementation = "auto",
@@ -125,3 +131,32 @@ def router_topk_scored(logits: jax.Array, bias: jax.Array, k: int, score_func: s
             return _ref.router_topk_scored(lg, b, k, score_func)
 
     return split_batch(local, (logits, bias), (True, per_row), "router_topk")
+
+
+def router_logits(x: jax.Array, weight: jax.Array, *, norm_weight: jax.Array | None = None,
+                  norm_eps: float | None = None, quantise: bool = False, implementation: Implementation = "auto",
+                  interpret: bool = False, block_sizes: BlockSizes | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The gate's logits: x bf16 [N, K], weight bf16 [E, K] -> (logits f32 [N, E], the row the
+    logits read [N, K]: x, or `rms_norm(x, norm_weight, norm_eps)` with a norm; with `quantise`
+    that row's `quant.act_quant_bf16` values bf16 [N, K] (the routed experts' input), else None).
+    On the kernel path with `block_sizes.norm_logits`, a single row with a norm is normalised
+    (and quantised) inside the logits' launch (`kernel_gpu.router_logits`: only the order of the
+    norm's sum of squares and of the logits' f32 sums differ from the reference); else
+    `reference.router_logits`."""
+    if x.ndim != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x [N, K] and weight [E, K], got {x.shape=} {weight.shape=}")
+    if (norm_weight is None) != (norm_eps is None) or (norm_weight is not None and norm_weight.shape != x.shape[1:]):
+        raise ValueError(f"router_logits: norm_weight [{x.shape[1]}] and norm_eps go together, got "
+                         f"{None if norm_weight is None else norm_weight.shape} and {norm_eps}")
+    bs = block_sizes or BlockSizes()
+    if (norm_weight is None or x.shape[0] != 1 or not bs.norm_logits
+            or not gpu_kernel(implementation, interpret, "router_logits")):
+        return _ref.router_logits(x, weight, norm_weight, norm_eps, quantise)
+    try:
+        logits, xn, xq = kernel_gpu.router_logits(x, weight, norm_weight, norm_eps, interpret=interpret)
+    except NotImplementedError as e:
+        logger.warning("router_logits: kernel does not handle x %s, weight %s (%s); using the reference",
+                       x.shape, weight.shape, e)
+        return _ref.router_logits(x, weight, norm_weight, norm_eps, quantise)
+    return logits, xn, xq if quantise else None

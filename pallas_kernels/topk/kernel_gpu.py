@@ -18,6 +18,12 @@ program per row takes the largest 32-bit total-order key k times (ties -> lower 
 each pick out, and reads the pick's unbiased score by its bits. No sort either. It can also form
 the scores from the gate's logits itself (sqrt(softplus) in float64, each rounded once to f32 as
 torch rounds them) and add the bias, saving the launch between the logits and the selection.
+
+`router_logits` is the gate's logits for one row that has not been through its RMSNorm yet (the
+FFN norm): each program forms the row's norm itself (`_triton.rms_factor`, as the one-row fp8
+kernel does), normalises and rounds each tile of the row to bf16, and sums the exact f32 products
+with its block of experts' weights; the first program also writes the normalised row and its
+activation quantiser's values for the experts. The norm's two launches (mean of squares, application) leave the path to the router.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import is_pow2
+from pallas_kernels._triton import act_quant_row, fit_block, is_pow2, rms_factor, round_bf16_f32
 from pallas_kernels.topk import reference as _ref
 
 MAX_WIDTH = 16384  # columns one program holds in registers (64 a thread at 8 warps)
@@ -201,3 +207,58 @@ def router_topk(scores: jax.Array, biased: jax.Array, k: int, *, num_warps: int 
         kernel, out_shape=(jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)),
         grid=(r,), interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
         name="router_topk")(scores, biased)
+
+
+def _logits_kernel(x_ref, nw_ref, w_ref, o_ref, xn_ref, xq_ref, *, k: int, block_e: int, block_k: int, eps: float,
+                   interpret: bool):
+    # x_ref, nw_ref [1, K] bf16 (the row before its norm, the norm's weight); w_ref [E, K] bf16;
+    # o_ref [1, E] f32 (logits); xn_ref [1, K] bf16 (the normalised row) and xq_ref [1, K] bf16
+    # (its act_quant values), written by program 0
+    j = pl.program_id(0)
+    factor = rms_factor(x_ref, k, block_k, eps)
+    first = jnp.full((1, block_k), j == 0)
+
+    def body(c, acc):
+        cols = pl.ds(c * block_k, block_k)
+        xb = x_ref[pl.ds(0, 1), cols].astype(jnp.float32)
+        nwb = nw_ref[pl.ds(0, 1), cols].astype(jnp.float32)
+        xn = round_bf16_f32(nwb * (xb * factor), interpret)  # `numerics.rms_norm`'s operations
+        plgpu.store(xn_ref.at[pl.ds(0, 1), cols], xn.astype(jnp.bfloat16), mask=first)
+        plgpu.store(xq_ref.at[pl.ds(0, 1), cols], act_quant_row(xn).astype(jnp.bfloat16), mask=first)
+        wb = w_ref[pl.ds(j * block_e, block_e), cols].astype(jnp.float32)  # [be, bk]
+        return acc + jnp.sum(wb * xn, axis=1)[None, :]  # exact products, f32 sums
+
+    acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((1, block_e), jnp.float32))
+    o_ref[pl.ds(0, 1), pl.ds(j * block_e, block_e)] = acc
+
+
+def router_logits(x: jax.Array, weight: jax.Array, norm_weight: jax.Array, norm_eps: float, *,
+                  block_e: int = 4, block_k: int = 512, num_warps: int = 4,
+                  interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x bf16 [1, K] (before its RMSNorm), weight bf16 [E, K], norm_weight bf16 [K] ->
+    (logits f32 [1, E], the normalised row bf16 [1, K], its `quant.act_quant_bf16` values bf16
+    [1, K]): `reference.router_logits` with the norm and `quantise`, in one launch of E / block_e
+    programs. The normalised row equals `rms_norm`'s where the sum of squares rounds alike (its
+    order is one fixed tree, not XLA's); each logit sums its exact products tile by tile (a tree
+    inside a tile, tiles in K order).
+
+    Raises NotImplementedError for shapes this kernel does not handle (the caller falls back)."""
+    if x.ndim != 2 or x.shape[0] != 1 or weight.ndim != 2 or weight.shape[1] != x.shape[1] \
+            or norm_weight.shape != (x.shape[1],):
+        raise NotImplementedError(f"one row x [1, K], weight [E, K], norm weight [K]; got {x.shape=} "
+                                  f"{weight.shape=} {norm_weight.shape=}")
+    if not (x.dtype == weight.dtype == norm_weight.dtype == jnp.bfloat16):
+        raise NotImplementedError(f"bf16 operands only, got {x.dtype=} {weight.dtype=} {norm_weight.dtype=}")
+    e, k = weight.shape
+    block_k, block_e = fit_block(block_k, k, 32), fit_block(block_e, e, 1)
+    if k % block_k or e % block_e or not is_pow2(block_k) or not is_pow2(block_e):
+        raise NotImplementedError(f"K={k} and E={e} need power-of-2 tiles dividing them (block_k >= 32), got "
+                                  f"{block_k=} {block_e=}")
+    kernel = functools.partial(_logits_kernel, k=k, block_e=block_e, block_k=block_k, eps=float(norm_eps),
+                               interpret=interpret)
+    row = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((1, e), jnp.float32), row, row),
+        grid=(e // block_e,), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="router_logits")(x, norm_weight.reshape(1, k), weight)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.numerics import in_float64, sqrt
+from dsv41_jax import quant
+from dsv41_jax.numerics import in_float64, rms_norm, sqrt
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -53,3 +54,16 @@ def router_topk_scored(logits: jax.Array, bias: jax.Array, k: int, score_func: s
     scores = `router_scores(logits, score_func)`."""
     scores = router_scores(logits, score_func)
     return router_topk(scores, scores + bias, k)
+
+
+def router_logits(x: jax.Array, weight: jax.Array, norm_weight: jax.Array | None = None,
+                  norm_eps: float | None = None, quantise: bool = False) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The gate's logits: x [N, K] (bf16), weight [E, K] (bf16) -> (logits f32 [N, E], the row the
+    gate read [N, K], its `quant.act_quant_bf16` values bf16 [N, K] with `quantise`, else None):
+    the row is x, or `rms_norm(x, norm_weight, norm_eps)` when a norm is given. The products of
+    bf16 values are exact in f32, summed in f32 (HIGHEST precision)."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, norm_eps)
+    logits = jax.lax.dot_general(x.astype(jnp.float32), weight.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return logits, x, quant.act_quant_bf16(x) if quantise else None
