@@ -46,7 +46,9 @@ else resolves the default "auto" on the random weights as the loaders do: on); `
 (`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-f64k` is `fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
-inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`). `--tiny` runs
+inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
+is `fast` with a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch
+(`Attention.kv_row_kernel`, `pallas_kernels.window_kv`); `fast-rows` is both. `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -91,13 +93,17 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold;
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
-# "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`)
+# "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
+# "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
+# "fast-rows": both
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
          "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
-         "fast-gatenorm": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
-# path -> (module class name, attribute) set on every such module of the model
-PATH_FLAGS = {"fast-onerow": ("Experts", "one_row"), "fast-f64k": ("Attention", "f64_kernel"),
-              "fast-gatenorm": ("Gate", "norm_logits")}
+         "fast-gatenorm": ("auto", "auto", "auto"), "fast-kvrow": ("auto", "auto", "auto"),
+         "fast-rows": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
+# path -> ((module class name, attribute), ...) set on every such module of the model
+PATH_FLAGS = {"fast-onerow": (("Experts", "one_row"),), "fast-f64k": (("Attention", "f64_kernel"),),
+              "fast-gatenorm": (("Gate", "norm_logits"),), "fast-kvrow": (("Attention", "kv_row_kernel"),),
+              "fast-rows": (("Gate", "norm_logits"), ("Attention", "kv_row_kernel"))}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -277,15 +283,15 @@ def random_model(args: ModelArgs, seed: int = 0):
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module attribute `PATH_FLAGS[path]` set on every module of that
     class ("fast-onerow": `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm":
-    `Gate.norm_logits`); other paths
+    `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths
     unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
-    cls, attr = PATH_FLAGS[path]
     model = nnx.merge(graphdef, state)
-    for _, m in nnx.iter_graph(model):
-        if type(m).__name__ == cls:
-            setattr(m, attr, True)
+    for cls, attr in PATH_FLAGS[path]:
+        for _, m in nnx.iter_graph(model):
+            if type(m).__name__ == cls:
+                setattr(m, attr, True)
     return nnx.split(model)
 
 

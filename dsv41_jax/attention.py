@@ -40,6 +40,7 @@ from pallas_kernels.fp8_matmul import reference as fp8_reference
 from pallas_kernels.sparse_attention.api import BlockSizes as SparseAttnBlockSizes
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
+from pallas_kernels.window_kv.api import write_window_row
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -508,6 +509,9 @@ class Attention(nnx.Module):
     compressor (kv sources) and indexer (index sources).
     `f64_kernel` (off; set on the module to try it): float64 requests run the GPU kernel's
     float64 program instead of the jnp reference (`sparse_attention.BlockSizes.f64_kernel`).
+    `kv_row_kernel` (off; set on the module to try it): a one-row decode step's window-KV row
+    (kv_norm, RoPE, FP8 QDQ, the ring write) runs as one kernel launch
+    (`pallas_kernels.window_kv`) instead of XLA's three.
     """
 
     def __init__(self, layer_id: int, args: ModelArgs):
@@ -522,6 +526,7 @@ class Attention(nnx.Module):
         self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
         self.accumulate = resolve_attn_accumulate(args.attn_accumulate)
         self.f64_kernel = False  # set on the module to try the GPU kernel's float64 program
+        self.kv_row_kernel = False  # set on the module to try the one-launch window-KV row
         self.is_index_source = args.is_index_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.is_candidate_source = args.is_candidate_source(layer_id)
@@ -567,7 +572,8 @@ class Attention(nnx.Module):
         return rope_angles(np.asarray(self.freqs, np.float32), pos[:, None] if pos.ndim == 1 else pos)
 
     def query_kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 pre_norm: tuple[jax.Array, RMSNorm] | None = None) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+                 pre_norm: tuple[jax.Array, RMSNorm] | None = None,
+                 finish_kv: bool = True) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """x bf16 [b, s, dim] -> (q bf16 [b, s, H, hd] RoPE'd, qi bf16 [b, s, ih*ihd] or None,
         kv bf16 [b, s, hd]). qr = q_norm(wq_a(x)), q = wq_b(qr), qi = indexer.wq_b(qr) on index
         sources (both projections of qr in one kernel launch where the fp8 kernel runs, which
@@ -575,7 +581,7 @@ class Attention(nnx.Module):
         FP8 QDQ (32, UE8M0) over the whole vector, RoPE tail included. wq_a and wkv read the same
         x: one fp8 kernel launch (`layers.apply_linears`). pre_norm: (x before its norm, the norm)
         with x = norm(that): the launch then takes the row before the norm (and applies the norm
-        itself to a single row)."""
+        itself to a single row). finish_kv False: kv is wkv's output, before kv_norm."""
         b, s, _ = x.shape
         if pre_norm is None:
             qa, kv = apply_linears(x, (self.wq_a, self.wkv))
@@ -586,6 +592,8 @@ class Attention(nnx.Module):
         else:
             (q,), qi = apply_linears(qa, (self.wq_b,), norm=self.q_norm), None
         q = q.reshape(b, s, self.n_heads, self.head_dim)
+        if not finish_kv:
+            return apply_rope(q, cos, sin, self.rope_dim), qi, kv
         kv = apply_rope(self.kv_norm(kv), cos, sin, self.rope_dim)
         return apply_rope(q, cos, sin, self.rope_dim), qi, quant.act_quant_dequant(kv, QUANT_BLOCK)
 
@@ -810,8 +818,14 @@ class Attention(nnx.Module):
             _require(shared, key, self.layer_id)
         pos = jnp.asarray(pos, jnp.int32)
         cos, sin = self.rope_rows(pos)
-        q, qi, kv = self.query_kv(x, cos, sin, pre_norm)
-        cache["window_kv"] = ring = write_row(cache["window_kv"], pos % self.window, kv[:, 0])
+        q, qi, kv = self.query_kv(x, cos, sin, pre_norm, finish_kv=not self.kv_row_kernel)
+        if self.kv_row_kernel:  # kv is wkv's row: kv_norm, RoPE, QDQ and the write in one launch
+            ring = write_window_row(cache["window_kv"], pos % self.window, kv[:, 0], self.kv_norm.weight[...],
+                                    self.kv_norm.eps, cos[:, 0], sin[:, 0], self.rope_dim,
+                                    implementation=self.kernels, interpret=self.kernels_interpret)
+        else:
+            ring = write_row(cache["window_kv"], pos % self.window, kv[:, 0])
+        cache["window_kv"] = ring
         kv = ring
         idx = jax.vmap(lambda p: window_topk_idxs(self.window, 1, p))(pos)  # [b, 1, window]
         if self.ratio:

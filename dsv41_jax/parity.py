@@ -431,14 +431,16 @@ def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_a
                fp4_scale_fold: str = "auto",
                attn_f64_kernel: bool = False,
                experts_one_row: bool = False,
-               gate_norm_logits: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               gate_norm_logits: bool = False,
+               kv_row_kernel: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
     `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `attn_f64_kernel`: set
     `Attention.f64_kernel` on every layer (float64 attention on the GPU kernel's float64 program);
     `experts_one_row`: set `Experts.one_row` on every layer (the decode gather as one-row programs);
     `gate_norm_logits`: set `Gate.norm_logits` on every layer (a single row's FFN norm inside the
-    gate's logits launch).
+    gate's logits launch); `kv_row_kernel`: set `Attention.kv_row_kernel` on every layer (a
+    single row's window-KV row in one launch).
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
@@ -450,6 +452,8 @@ def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_a
             m.one_row = True
         if gate_norm_logits and isinstance(m, Gate):
             m.norm_logits = True
+        if kv_row_kernel and isinstance(m, Attention):
+            m.kv_row_kernel = True
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -506,6 +510,9 @@ def main(argv=None) -> int:
     p.add_argument("--gate-norm-logits", action="store_true",
                    help="Gate.norm_logits: a single row's FFN norm (and the experts' quantiser) inside the gate's "
                         "logits launch (GPU kernel only)")
+    p.add_argument("--kv-row-kernel", action="store_true",
+                   help="Attention.kv_row_kernel: a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in "
+                        "one launch (GPU kernel only)")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -518,7 +525,8 @@ def main(argv=None) -> int:
                                               attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold,
                                               attn_f64_kernel=ns.attn_f64_kernel,
                                               experts_one_row=ns.experts_one_row,
-                                              gate_norm_logits=ns.gate_norm_logits)
+                                              gate_norm_logits=ns.gate_norm_logits,
+                                              kv_row_kernel=ns.kv_row_kernel)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
