@@ -190,9 +190,15 @@ def _free_port() -> int:
 
 def test_two_hosts_on_an_expert4_data2_mesh_equal_the_single_device_run(tmp_path, single_device_cli):
     """A converted tiny-a over 2 processes x 4 fake CPU devices (one 8-device mesh, gloo
-    collectives, jax.distributed via --coordinator): the same tokens and bit-identical logits
-    (measured: max |diff| 0) as one device from the hub files; the batch of 3 is padded to 4 for
-    data=2; only process 0 prints and writes --logits-out."""
+    collectives, jax.distributed via --coordinator): the same tokens and logits as one device
+    from the hub files; the batch of 3 is padded to 4 for data=2; only process 0 prints and
+    writes --logits-out.
+
+    The logits are the head's f32 GEMM of the same bf16 hidden states, whose summation order
+    XLA:CPU may pick by the rows each device holds (2 here, 3 on one device): on some CPUs they
+    are bit-identical (max |diff| 0), on an AVX-512 Xeon up to 6.2e-7 of the row's RMS apart,
+    and bit-identical there too with the head summed in float64 (so nothing before the head
+    differs). The bound is the f32 summation bound's scale, dim * 2^-24 of the row's RMS."""
     from convert import convert_checkpoint
 
     conv = tmp_path / "converted"
@@ -222,7 +228,9 @@ def test_two_hosts_on_an_expert4_data2_mesh_equal_the_single_device_run(tmp_path
     assert reports[1]["stdout"] == "" and not (tmp_path / "mesh1.npz").exists()
     one, many = np.load(single_device_cli[2]), np.load(tmp_path / "mesh0.npz")
     np.testing.assert_array_equal(many["tokens"], one["tokens"])
-    np.testing.assert_array_equal(many["logits"], one["logits"])
+    rms = np.sqrt(np.mean(one["logits"].astype(np.float64) ** 2, axis=-1, keepdims=True))
+    dim = json.loads((TINY / "config.json").read_text())["dim"]
+    assert np.all(np.abs(many["logits"].astype(np.float64) - one["logits"]) <= dim * 2.0**-24 * rms)
 
 
 @pytest.mark.parametrize("env, found", [
