@@ -56,10 +56,11 @@ def rms_factor(x_ref, k: int, block_k: int, eps: float) -> jax.Array:
 
 
 def act_quant_row(x: jax.Array) -> jax.Array:
-    """x [1, bk] (bf16 / fp32; bk % 32 == 0; in a kernel body) -> fp32 [1, bk]: `quant.act_quant_bf16`'s values, from
-    bit operations, multiplies by powers of two and one round-half-even (all exact). Where x is
-    not finite the result is NaN (that element's quantiser output is NaN too, and every product
-    sum it enters is NaN on both paths)."""
+    """x [1, bk] (bf16 / fp32; bk % 32 == 0; in a kernel body) -> fp32 [1, bk]:
+    `quant.act_quant_bf16`'s values, from bit operations, multiplies by powers of two and one
+    round-half-even (all exact), one scale per 32 elements. Where x is not finite the result is
+    NaN (that element's quantiser output is NaN too, and every product sum it enters is NaN on
+    both paths)."""
     bk = x.shape[1]
     xf = x.astype(jnp.float32).reshape(bk // 32, 32)
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), jnp.float32(1e-4))

@@ -23,7 +23,8 @@ torch rounds them) and add the bias, saving the launch between the logits and th
 FFN norm): each program forms the row's norm itself (`_triton.rms_factor`, as the one-row fp8
 kernel does), normalises and rounds each tile of the row to bf16, and sums the exact f32 products
 with its block of experts' weights; the first program also writes the normalised row and its
-activation quantiser's values for the experts. The norm's two launches (mean of squares, application) leave the path to the router.
+activation quantiser's values for the experts. The norm's two launches (mean of squares,
+application) leave the path to the router.
 """
 
 from __future__ import annotations
