@@ -77,6 +77,7 @@ from dsv41_jax.config import ModelArgs
 from dsv41_jax.generate import Generator, context_bucket, decode_compiler_options
 from dsv41_jax.loading import resolve_fp4_scale_fold
 from dsv41_jax.model import Transformer, replay_start, replay_width
+from dsv41_jax.parity import set_switches
 from dsv41_jax.sampling import SamplingParams
 
 RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
@@ -100,10 +101,10 @@ PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), 
          "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
          "fast-gatenorm": ("auto", "auto", "auto"), "fast-kvrow": ("auto", "auto", "auto"),
          "fast-rows": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
-# path -> ((module class name, attribute), ...) set on every such module of the model
-PATH_FLAGS = {"fast-onerow": (("Experts", "one_row"),), "fast-f64k": (("Attention", "f64_kernel"),),
-              "fast-gatenorm": (("Gate", "norm_logits"),), "fast-kvrow": (("Attention", "kv_row_kernel"),),
-              "fast-rows": (("Gate", "norm_logits"), ("Attention", "kv_row_kernel"))}
+# path -> the `parity.MODULE_SWITCHES` it turns on
+PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
+              "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
+              "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -281,17 +282,13 @@ def random_model(args: ModelArgs, seed: int = 0):
 
 
 def with_path_flags(graphdef, state, path: str):
-    """(graphdef, state) with the module attribute `PATH_FLAGS[path]` set on every module of that
-    class ("fast-onerow": `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm":
-    `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths
-    unchanged."""
+    """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
+    `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
+    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)
-    for cls, attr in PATH_FLAGS[path]:
-        for _, m in nnx.iter_graph(model):
-            if type(m).__name__ == cls:
-                setattr(m, attr, True)
+    set_switches(model, PATH_FLAGS[path])
     return nnx.split(model)
 
 

@@ -427,33 +427,44 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
     return out
 
 
+# Module switches that are off by default (each set on every module of its class to try it):
+# name (also the CLI flag, with dashes) -> (class, attribute, what it does)
+MODULE_SWITCHES = {
+    "attn_f64_kernel": (Attention, "f64_kernel", ("float64 attention on the GPU kernel's float64 program instead "
+                                                  "of the jnp reference (GPU only; elsewhere the reference runs "
+                                                  "as before)")),
+    "experts_one_row": (Experts, "one_row", ("the routed experts' decode gather as one-row programs without "
+                                             "tensor cores (GPU kernel only)")),
+    "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
+                                               "gate's logits launch (GPU kernel only)")),
+    "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "
+                                                   "in one launch (GPU kernel only)")),
+}
+
+
+def set_switches(model: nnx.Module, names) -> None:
+    """Turns the `MODULE_SWITCHES` named in `names` on, on every module of their classes."""
+    unknown = sorted(set(names) - set(MODULE_SWITCHES))
+    if unknown:
+        raise ValueError(f"unknown module switches {unknown}; known: {sorted(MODULE_SWITCHES)}")
+    for name in names:
+        cls, attr, _ = MODULE_SWITCHES[name]
+        for _, m in nnx.iter_graph(model):
+            if isinstance(m, cls):
+                setattr(m, attr, True)
+
+
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "auto",
-               attn_f64_kernel: bool = False,
-               experts_one_row: bool = False,
-               gate_norm_logits: bool = False,
-               kv_row_kernel: bool = False) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               fp4_scale_fold: str = "auto", switches=()) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
-    `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `attn_f64_kernel`: set
-    `Attention.f64_kernel` on every layer (float64 attention on the GPU kernel's float64 program);
-    `experts_one_row`: set `Experts.one_row` on every layer (the decode gather as one-row programs);
-    `gate_norm_logits`: set `Gate.norm_logits` on every layer (a single row's FFN norm inside the
-    gate's logits launch); `kv_row_kernel`: set `Attention.kv_row_kernel` on every layer (a
-    single row's window-KV row in one launch).
+    `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `switches`: names of
+    `MODULE_SWITCHES` to turn on.
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
     model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, fp4_scale_fold=fp4_scale_fold)
-    for _, m in nnx.iter_graph(model):
-        if attn_f64_kernel and isinstance(m, Attention):
-            m.f64_kernel = True
-        if experts_one_row and isinstance(m, Experts):
-            m.one_row = True
-        if gate_norm_logits and isinstance(m, Gate):
-            m.norm_logits = True
-        if kv_row_kernel and isinstance(m, Attention):
-            m.kv_row_kernel = True
+    set_switches(model, switches)
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
     problems = []
@@ -501,18 +512,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
-    p.add_argument("--attn-f64-kernel", action="store_true",
-                   help="Attention.f64_kernel: float64 attention on the GPU kernel's float64 program instead of "
-                        "the jnp reference (GPU only; elsewhere the reference runs as before)")
-    p.add_argument("--experts-one-row", action="store_true",
-                   help="Experts.one_row: the routed experts' decode gather as one-row programs without tensor "
-                        "cores (GPU kernel only)")
-    p.add_argument("--gate-norm-logits", action="store_true",
-                   help="Gate.norm_logits: a single row's FFN norm (and the experts' quantiser) inside the gate's "
-                        "logits launch (GPU kernel only)")
-    p.add_argument("--kv-row-kernel", action="store_true",
-                   help="Attention.kv_row_kernel: a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in "
-                        "one launch (GPU kernel only)")
+    for name, (cls, attr, what) in MODULE_SWITCHES.items():
+        p.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{cls.__name__}.{attr}: {what}")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:
@@ -523,10 +524,7 @@ def main(argv=None) -> int:
     try:
         port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only,
                                               attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold,
-                                              attn_f64_kernel=ns.attn_f64_kernel,
-                                              experts_one_row=ns.experts_one_row,
-                                              gate_norm_logits=ns.gate_norm_logits,
-                                              kv_row_kernel=ns.kv_row_kernel)
+                                              switches=[n for n in MODULE_SWITCHES if getattr(ns, n)])
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
