@@ -1,4 +1,5 @@
-"""Kernel benchmark: the Sinkhorn site and sparse attention, Pallas kernel vs the XLA reference.
+"""Kernel benchmark: the Sinkhorn site, sparse attention and the gate's one-row logits, Pallas kernel
+vs the XLA reference.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--budget-s 420]
 
@@ -28,9 +29,12 @@ import numpy as np
 
 from pallas_kernels.sinkhorn import api as sinkhorn_api
 from pallas_kernels.sparse_attention import api as attn_api
+from pallas_kernels.topk import api as topk_api
+from pallas_kernels.topk import kernel_gpu as topk_gpu
 
 H, D, WINDOW, TOPK = 64, 512, 128, 512  # released attention: 64 heads, 512 latent, 128 + 512 rows
 HC, DIM, ITERS = 4, 5120, 20
+EXPERTS = 384  # released routed experts
 
 
 def _time(fn, make_args, *, inner: int, reps: int) -> tuple[float, float]:
@@ -186,6 +190,46 @@ def _sinkhorn_f64(m, s, b, eps=1e-6):
         c = c / (c.sum(-1, keepdims=True) + eps)
         c = c / (c.sum(-2, keepdims=True) + eps)
     return pre, post, c
+
+
+# --------------------------------------------------------------------------- gate (one row)
+
+
+def router_rows(copy_bw: float) -> list[Row]:
+    """The gate of one decode row at the released width: the FFN RMSNorm, the experts' activation
+    quantiser and the logits (bf16 [1, 5120] x [384, 5120]). XLA's reference (its launches) against
+    `kernel_gpu.router_logits` (one launch) at its default tiles and at the tiles it had before
+    (block_e 4, block_k 512, 4 warps, a rolled K loop's worth of work in every program). Each set
+    has its own weight (from HBM, as each layer's is)."""
+    def make(i):
+        k = jax.random.key(400 + i)
+        return (jax.random.normal(k, (1, DIM), jnp.bfloat16),
+                (jax.random.normal(jax.random.fold_in(k, 1), (EXPERTS, DIM), jnp.float32) * 0.02).astype(jnp.bfloat16),
+                (1 + 0.1 * jax.random.normal(jax.random.fold_in(k, 2), (DIM,), jnp.float32)).astype(jnp.bfloat16))
+
+    nbytes = EXPERTS * DIM * 2 + 2 * DIM * 2 + EXPERTS * 4 + 2 * DIM * 2
+    eps = 1e-20
+    variants = {"reference": lambda x, w, nw: topk_api.router_logits(x, w, norm_weight=nw, norm_eps=eps, quantise=True,
+                                                                     implementation="reference"),
+                "pallas": lambda x, w, nw: topk_gpu.router_logits(x, w, nw, eps, interpret=False),
+                "pallas (block_e 4, block_k 512, 4 warps)": lambda x, w, nw: topk_gpu.router_logits(
+                    x, w, nw, eps, block_e=4, block_k=512, num_warps=4, interpret=False)}
+    want = [np.asarray(v, np.float32) for v in jax.jit(variants["reference"])(*make(0))]
+    rows = []
+    for label, f in variants.items():
+        try:
+            sec, dev = _time(f, make, inner=50, reps=30)
+            got = [np.asarray(v, np.float32) for v in jax.jit(f)(*make(0))]
+        except Exception as e:  # noqa: BLE001 (a failing row is a result)
+            rows.append(Row("gate logits, norm + quantiser", "1 x 5120 x 384", label, float("nan"), float("nan"),
+                            nbytes, 0.0, note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
+            continue
+        rows_same = all(np.array_equal(g, w) for g, w in zip(got[1:], want[1:]))
+        err = (f"rows {'bit-identical' if rows_same else 'DIFFER'}; "
+               f"logits max abs diff {float(np.max(np.abs(got[0] - want[0]))):.2g} vs reference")
+        rows.append(Row("gate logits, norm + quantiser", "1 x 5120 x 384", label, sec * 1e6, dev * 1e6, nbytes,
+                        nbytes / _best(sec, dev) / copy_bw, err))
+    return rows
 
 
 # ---------------------------------------------------------------------------- sparse attention
@@ -392,7 +436,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time tile variants of the attention kernel first")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,attention")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,router,attention")
     p.add_argument("--tokens", default="1,64,4096", help="Sinkhorn token counts (comma list)")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (comma list)")
     p.add_argument("--contexts", default="4096,65536", help="decode context lengths (comma list)")
@@ -415,6 +459,10 @@ def main(argv=None) -> int:
             for r in new:
                 rows.append(r)
                 print(_fmt(r), flush=True)
+    if "router" not in a.skip:
+        for r in router_rows(copy_bw):
+            rows.append(r)
+            print(_fmt(r), flush=True)
     if "attention" not in a.skip:
         # the f32 kernel (default tiles, and with p rounded to bf16 once), the XLA reference in
         # float64 (what the model runs: its call asks for the oracle's rounding) and in f32

@@ -22,9 +22,10 @@ torch rounds them) and add the bias, saving the launch between the logits and th
 `router_logits` is the gate's logits for one row that has not been through its RMSNorm yet (the
 FFN norm): each program forms the row's norm itself (`_triton.rms_factor`, as the one-row fp8
 kernel does), normalises and rounds each tile of the row to bf16, and sums the exact f32 products
-with its block of experts' weights; the first program also writes the normalised row and its
-activation quantiser's values for the experts. The norm's two launches (mean of squares,
-application) leave the path to the router.
+with its block of experts' weights (one expert per program by default, the K loop unrolled so that
+every tile's loads issue at once); one more program writes the normalised row and its activation
+quantiser's values for the experts. The norm's two launches (mean of squares, application) leave
+the path to the router.
 """
 
 from __future__ import annotations
@@ -214,32 +215,42 @@ def _logits_kernel(x_ref, nw_ref, w_ref, o_ref, xn_ref, xq_ref, *, k: int, block
                    interpret: bool):
     # x_ref, nw_ref [1, K] bf16 (the row before its norm, the norm's weight); w_ref [E, K] bf16;
     # o_ref [1, E] f32 (logits); xn_ref [1, K] bf16 (the normalised row) and xq_ref [1, K] bf16
-    # (its act_quant values), written by program 0
+    # (its act_quant values). Programs 0 .. E / block_e - 1 form logits; the last one writes the rows.
+    # The K loop is unrolled: every tile's loads are independent of the sums.
     j = pl.program_id(0)
+    n_logit = o_ref.shape[1] // block_e
     factor = rms_factor(x_ref, k, block_k, eps)
-    first = jnp.full((1, block_k), j == 0)
 
-    def body(c, acc):
+    def normed(c):
         cols = pl.ds(c * block_k, block_k)
         xb = x_ref[pl.ds(0, 1), cols].astype(jnp.float32)
         nwb = nw_ref[pl.ds(0, 1), cols].astype(jnp.float32)
-        xn = round_bf16_f32(nwb * (xb * factor), interpret)  # `numerics.rms_norm`'s operations
-        plgpu.store(xn_ref.at[pl.ds(0, 1), cols], xn.astype(jnp.bfloat16), mask=first)
-        plgpu.store(xq_ref.at[pl.ds(0, 1), cols], act_quant_row(xn).astype(jnp.bfloat16), mask=first)
-        wb = w_ref[pl.ds(j * block_e, block_e), cols].astype(jnp.float32)  # [be, bk]
-        return acc + jnp.sum(wb * xn, axis=1)[None, :]  # exact products, f32 sums
+        return cols, round_bf16_f32(nwb * (xb * factor), interpret)  # `numerics.rms_norm`'s operations
 
-    acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((1, block_e), jnp.float32))
-    o_ref[pl.ds(0, 1), pl.ds(j * block_e, block_e)] = acc
+    @pl.when(j < n_logit)
+    def _logits():
+        acc = jnp.zeros((1, block_e), jnp.float32)
+        for c in range(k // block_k):
+            cols, xn = normed(c)
+            wb = w_ref[pl.ds(j * block_e, block_e), cols].astype(jnp.float32)  # [be, bk]
+            acc = acc + jnp.sum(wb * xn, axis=1)[None, :]  # exact products, f32 sums
+        o_ref[pl.ds(0, 1), pl.ds(j * block_e, block_e)] = acc
+
+    @pl.when(j == n_logit)
+    def _rows():
+        for c in range(k // block_k):
+            cols, xn = normed(c)
+            xn_ref[pl.ds(0, 1), cols] = xn.astype(jnp.bfloat16)
+            xq_ref[pl.ds(0, 1), cols] = act_quant_row(xn).astype(jnp.bfloat16)
 
 
 def router_logits(x: jax.Array, weight: jax.Array, norm_weight: jax.Array, norm_eps: float, *,
-                  block_e: int = 4, block_k: int = 512, num_warps: int = 4,
+                  block_e: int = 1, block_k: int = 1024, num_warps: int = 8,
                   interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x bf16 [1, K] (before its RMSNorm), weight bf16 [E, K], norm_weight bf16 [K] ->
     (logits f32 [1, E], the normalised row bf16 [1, K], its `quant.act_quant_bf16` values bf16
     [1, K]): `reference.router_logits` with the norm and `quantise`, in one launch of E / block_e
-    programs. The normalised row equals `rms_norm`'s where the sum of squares rounds alike (its
+    programs of logits and one that writes the two rows. The normalised row equals `rms_norm`'s where the sum of squares rounds alike (its
     order is one fixed tree, not XLA's); each logit sums its exact products tile by tile (a tree
     inside a tile, tiles in K order).
 
@@ -260,6 +271,6 @@ def router_logits(x: jax.Array, weight: jax.Array, norm_weight: jax.Array, norm_
     row = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
     return pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((1, e), jnp.float32), row, row),
-        grid=(e // block_e,), interpret=interpret,
+        grid=(e // block_e + 1,), interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="router_logits")(x, norm_weight.reshape(1, k), weight)
