@@ -199,7 +199,7 @@ def router_rows(copy_bw: float) -> list[Row]:
     """The gate of one decode row at the released width: the FFN RMSNorm, the experts' activation
     quantiser and the logits (bf16 [1, 5120] x [384, 5120]). XLA's reference (its launches) against
     `kernel_gpu.router_logits` (one launch) at its default tiles and at the tiles it had before
-    (block_e 4, block_k 512, 4 warps, a rolled K loop's worth of work in every program). Each set
+    (block_e 4, block_k 512, 4 warps: its first version's tiles). Each set
     has its own weight (from HBM, as each layer's is)."""
     def make(i):
         k = jax.random.key(400 + i)

@@ -669,3 +669,24 @@ def test_launch_count_compiles_the_full_width_step_for_an_h100_without_one(tmp_p
     assert row["launches"] >= row["on_chain"] > 100 and sum(row["chain_by_source"].values()) == row["on_chain"]
     labels = " ".join(row["chain_by_source"])
     assert "fp8_matmul_many" in labels and "expert_matmul" in labels and "head_logits" in labels
+
+
+def test_router_rows_check_the_gate_launch_against_the_reference(monkeypatch):
+    """`kernels.router_rows`: every row names its bytes (the weight, the row and norm weight, the
+    logits, the two rows written) and its check against XLA's path; without a GPU the kernel rows
+    say they failed instead of timing anything (no timing here: `_time` is stubbed)."""
+    from benchmarks import kernels
+
+    monkeypatch.setattr(kernels, "_time", lambda fn, make, inner, reps: (2e-6, float("nan")))
+    rows = kernels.router_rows(copy_bw=1e12)
+    assert [r.impl for r in rows] == ["reference", "pallas", "pallas (block_e 4, block_k 512, 4 warps)"]
+    nbytes = 384 * 5120 * 2 + 2 * 5120 * 2 + 384 * 4 + 2 * 5120 * 2
+    assert all(r.bytes == nbytes for r in rows)
+    ref = rows[0]
+    assert ref.err == "rows bit-identical; logits max abs diff 0 vs reference"
+    assert ref.us == pytest.approx(2.0) and ref.bw_frac == pytest.approx(nbytes / 2e-6 / 1e12)
+    for r in rows[1:]:
+        if jax.default_backend() == "gpu":
+            assert r.err.startswith("rows bit-identical; logits max abs diff"), r
+        else:
+            assert r.note.startswith("FAILED") and np.isnan(r.us), r
