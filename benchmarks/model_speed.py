@@ -32,6 +32,10 @@ Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_cei
             the rest from its pipelined calls of --loop-steps steps; seconds per step over the
             calls after the first)
   layers    the same step as one jitted call per layer (per-layer time by role)
+  --ab A,B  (beside the sections) two paths' decode loops in one process, on the same weights and
+            cache, timed in --ab-rounds rounds of alternating order ("ab <path> loop": each
+            round's seconds and, on B's row, B - A per round): the A/B of a module switch, whose
+            gain can be smaller than the loop's 1-3% spread between processes (`ab_section`)
   prefill   prefill of one prompt of S tokens (cache of S positions); its FLOPs count each
             layer at the positions it runs on (`prefill_counts`: replayed layers on a suffix)
 Bytes and FLOPs come from `count_layer` (derivation in its docstring) and the parameter shapes.
@@ -636,6 +640,31 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 _speedup(rep, f"decode", batch, context)
 
 
+def _loop_program(graphdef, state, holder, ids, pos, context_bound, steps, options=None, start=None):
+    """(call, tokens of its first call, seconds of that first call (compile included)):
+    `Generator`'s decode program (`Generator._decode`, compiled with `options`; None: its
+    defaults) running `steps` greedy steps from positions `pos` in one call. Each call takes
+    holder["cache"] (donated) and leaves the new cache there; with `start` the first call runs
+    on a copy of that cache instead (so several programs can start from the same state)."""
+    gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
+    done = jnp.zeros(ids.shape, bool)
+
+    def call(cache=None):
+        toks, _, _, _, new, _ = gen._decode(gen.state, ids, pos, holder["cache"] if cache is None else cache, done,
+                                            None, np.int32(0), np.int32(steps), None, SamplingParams(),
+                                            context_bound, (), 0)
+        holder["cache"] = new
+        return toks
+
+    t0 = time.perf_counter()
+    if start is not None:
+        holder["cache"] = None  # (the call donates its cache)
+        first = np.asarray(call(cache=jax.tree.map(jnp.copy, start)))
+    else:
+        first = np.asarray(call())
+    return call, first, time.perf_counter() - t0
+
+
 def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, steps, batch, context, by, fl,
              tiny, host_loop=False):
     """The row "<name> loop": `Generator`'s decode program (`Generator._decode`) running `steps`
@@ -650,30 +679,11 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
     by one in a `jax.profiler` trace (on the H200: 25 kernels and 131 µs a step seen of a
     1506 µs step), so `profile_rows` traces the one-step program (its kernels in sequence)."""
     variants = [("loop", None)] + ([("loop (host loop)", {})] if host_loop else [])
-
-    def decode_args(gen, cache):  # one call of `steps` greedy steps from `pos`
-        return (gen.state, ids, pos, cache, done, None, np.int32(0), np.int32(steps), None, SamplingParams(),
-                context_bound, (), 0)
-
-    done = jnp.zeros(ids.shape, bool)
     start = holder["cache"] if host_loop else None  # each variant's first call starts from a copy
     calls, compile_s, first = {}, {}, {}
     for label, options in variants:
-        gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
-
-        def call(gen=gen, cache=None):
-            toks, _, _, _, new, _ = gen._decode(*decode_args(gen, holder["cache"] if cache is None else cache))
-            holder["cache"] = new
-            return toks
-
-        t0 = time.perf_counter()
-        if host_loop:  # (the call donates its cache)
-            holder["cache"] = None
-            first[label] = np.asarray(call(cache=jax.tree.map(jnp.copy, start)))
-        else:
-            first[label] = np.asarray(call())
-        compile_s[label] = time.perf_counter() - t0
-        calls[label] = call
+        calls[label], first[label], compile_s[label] = _loop_program(graphdef, state, holder, ids, pos, context_bound,
+                                                                     steps, options, start)
     del start
     times = {label: [] for label, _ in variants}
     for _ in range(3 if host_loop else 1):
@@ -687,6 +697,68 @@ def loop_row(rep, ceil, name, graphdef, state, holder, ids, pos, context_bound, 
         rep.add(name=f"{name} {label}", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                 fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[label], 1),
                 tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **extra)
+
+
+def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_len=None, bound=True,
+               measure_routing=False):
+    """Paired timing of two paths' decode loops in one process ("ab" rows): `Generator`'s program
+    of `steps` greedy steps (as the "loop" rows), for paths that differ only in module switches
+    (`PATH_FLAGS`: the same `PATHS` entry), so both programs run on the same random weights and
+    start from copies of one seeded cache. They are timed in `rounds` rounds, A then B in even
+    rounds and B then A in odd ones, so slow drift (clocks, heat, other tenants) weighs on both;
+    between machines, and between processes on one machine, the loop's time moves by 1-3%, more
+    than one launch taken off a layer's chain saves.
+    Rows "ab <path> loop": the median over the rounds (`rounds_s` each round's seconds a step);
+    the second path's row also `diff_s` (each round's B - A), `diff_median_s`, `b_faster_rounds`
+    (rounds where B took less) and `tokens_equal` (whether both first calls gave the same
+    tokens)."""
+    a, b = pair
+    if PATHS[a] != PATHS[b]:
+        raise ValueError(f"--ab {a},{b}: the paths must differ only in module switches (PATH_FLAGS); {a} runs "
+                         f"(kernels, attn_accumulate, fp4_scale_fold) = {PATHS[a]}, {b} {PATHS[b]}")
+    for context in contexts:
+        for batch in batches:
+            if context <= steps + 1:
+                raise ValueError(f"--ab: context {context} must exceed the loop's {steps} steps + 1")
+            cache_len_row = max(cache_len or context, context)
+            args = bench_args(tiny, batch, cache_len_row, *PATHS[a])
+            context_bound = context_bucket(context, cache_len_row) if bound else None
+            pb = param_bytes(args)
+            counts, by = decode_bytes(args, pb, batch, context)
+            fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
+            graphdef, state = random_model(args)
+            programs = {path: with_path_flags(graphdef, state, path) for path in pair}  # the same weight arrays
+            cache = seeded_cache(args, batch, context)
+            ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
+            pos = cache["seq_len"]
+            extra = {}
+            if measure_routing:
+                hit, cache = routed_experts(*programs[a], ids, pos, cache, context_bound)
+                extra = {"bytes_uniform_routing": by, "unique_experts_measured": hit}
+                counts, by = decode_bytes(args, pb, batch, context, hit)
+            holder = {}
+            calls, first, compile_s = {}, {}, {}
+            for path in pair:
+                calls[path], first[path], compile_s[path] = _loop_program(
+                    *programs[path], holder, ids, pos - steps, context_bound, steps, start=cache)
+            del cache
+            times = {path: [] for path in pair}
+            for r in range(rounds):
+                for path in (pair if r % 2 == 0 else pair[::-1]):
+                    times[path].append(timeit(calls[path], iters=3 if not tiny else 1) / steps)
+            diff = [tb - ta for ta, tb in zip(times[a], times[b])]
+            for path in pair:
+                t = statistics.median(times[path])
+                row = {"rounds_s": times[path], **extra}
+                if path == b:
+                    row |= {"diff_s": diff, "diff_median_s": statistics.median(diff),
+                            "b_faster_rounds": sum(d < 0 for d in diff),
+                            "tokens_equal": bool(np.array_equal(first[a], first[b]))}
+                rep.add(name=f"ab {path} loop", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
+                        fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[path], 1),
+                        tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **row)
+            holder.clear()
+            del state, programs, calls
 
 
 def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, new_tokens, steps_per_call, by, fl,
@@ -1128,6 +1200,11 @@ def main(argv=None) -> int:
                         "calls after the first, so N must exceed the steps per call + 1; 0: off")
     p.add_argument("--generate-batches", default="1,8",
                    help="decode batches that get the generate row (its prefill of batch x context tokens must fit)")
+    p.add_argument("--ab", default=None,
+                   help="A,B: two paths that differ only in module switches, their decode loops (--loop-steps "
+                        "steps a call) timed in --ab-rounds alternating rounds in one process, for each --batches "
+                        "x --contexts ('ab' rows; runs beside --sections)")
+    p.add_argument("--ab-rounds", type=int, default=6, help="rounds of the --ab timing (>= 2)")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -1148,6 +1225,17 @@ def main(argv=None) -> int:
         p.error(f"--generate-steps {ns.generate_steps}: its {ns.generate_steps - 1} decode steps (the prefill makes "
                 f"the first token) all run in the first call of {per_call} steps (--loop-steps), whose "
                 f"time the row excludes; use more than {per_call + 1}, or 0 for off")
+    ab = [v for v in (ns.ab or "").split(",") if v]
+    if ns.ab is not None:
+        if len(ab) != 2 or ab[0] == ab[1] or any(v not in PATHS for v in ab):
+            p.error(f"--ab: expected two different paths A,B of {', '.join(PATHS)}, got {ns.ab!r}")
+        if PATHS[ab[0]] != PATHS[ab[1]]:
+            p.error(f"--ab {ns.ab}: the paths must differ only in module switches (PATH_FLAGS: "
+                    f"{', '.join(PATH_FLAGS)}, against the path they extend)")
+        if ns.ab_rounds < 2:
+            p.error(f"--ab-rounds must be at least 2, got {ns.ab_rounds}")
+        if ns.loop_steps < 1:
+            p.error("--ab times the decode loop: --loop-steps must be >= 1")
     sections = set(ns.sections.split(","))
     layers_for, profile_for = _shapes(ns.layers_for), _shapes(ns.profile_for)
     dev = jax.devices()[0]
@@ -1180,6 +1268,9 @@ def main(argv=None) -> int:
             for s_len in lengths:
                 prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre],
                                 {(v, "fast") for v in _ints(ns.profile_prefill)})
+    if ab:
+        ab_section(rep, ceil, tiny, tuple(ab), batches, contexts, ns.ab_rounds, ns.loop_steps, ns.cache_len,
+                   not ns.no_context_bound, ns.measure_routing)
     print(f"wrote {Path(ns.out) / 'model_speed.json'}")
     return 0
 

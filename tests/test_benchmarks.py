@@ -690,3 +690,42 @@ def test_router_rows_check_the_gate_launch_against_the_reference(monkeypatch):
             assert r.err.startswith("rows bit-identical; logits max abs diff"), r
         else:
             assert r.note.startswith("FAILED") and np.isnan(r.us), r
+
+
+def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeypatch):
+    """--ab: two paths that differ only in module switches, one program each on the same weights
+    and cache, timed in rounds A B, B A, ...; the second row holds the per-round differences."""
+    order = []
+    seconds = iter([3e-3, 5e-3, 4e-3, 2e-3, 3e-3, 6e-3])  # A B | B A | A B
+
+    def fake_timeit(fn, **kw):
+        order.append(fn)
+        jax.block_until_ready(fn())
+        return next(seconds)
+
+    monkeypatch.setattr(model_speed, "timeit", fake_timeit)
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-kvrow"), [1], [64], 3, 2)
+    a, b = rep.rows
+    assert (a["name"], b["name"]) == ("ab fast loop", "ab fast-kvrow loop")
+    assert len(order) == 6 and order[0] is order[3] is order[4] and order[1] is order[2] is order[5]
+    assert a["rounds_s"] == [1.5e-3, 1e-3, 1.5e-3] and b["rounds_s"] == [2.5e-3, 2e-3, 3e-3]
+    assert a["seconds"] == 1.5e-3 and b["seconds"] == 2.5e-3 and a["steps_per_call"] == 2
+    assert b["diff_s"] == pytest.approx([1e-3, 1e-3, 1.5e-3]) and b["diff_median_s"] == pytest.approx(1e-3)
+    assert b["b_faster_rounds"] == 0 and "diff_s" not in a
+    assert b["tokens_equal"] is True  # on CPU the switch runs the same reference ops
+    with pytest.raises(ValueError, match="differ only in module switches"):
+        model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-f32"), [1], [64], 3, 2)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ab", "fast"], "expected two different paths"),
+    (["--ab", "fast,nope"], "expected two different paths"),
+    (["--ab", "fast,fast-f32"], "differ only in module switches"),
+    (["--ab", "fast,fast-rows", "--ab-rounds", "1"], "--ab-rounds must be at least 2"),
+    (["--ab", "fast,fast-rows", "--loop-steps", "0"], "--loop-steps must be >= 1"),
+])
+def test_bad_ab_flags_are_refused_with_the_flag_named(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        model_speed.main(["--out", str(tmp_path), "--tiny", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
