@@ -12,7 +12,8 @@ At batch 1 a step is a chain of dependent launches, each costing its kernel's ru
 0.6 µs (benchmarks/README.md, twenty-second run), so a launch removed from that chain is time
 saved; this counts them: every launching instruction, and the longest chain of dependent ones
 (`critical_path` with every launch weighing one), per emitting source line
-(`model_speed.hlo_sources`).
+(`model_speed.hlo_sources`), and how many of each touch under 1 MiB (`launch_bytes`: operands and
+result, whole): launches too small to stream anything, whose time is their fixed cost.
 
 Needs jax's CUDA plugin at the installed jax's version V (pyproject's `aot` extra: `pip install
 "jax-cuda12-plugin==V" "jax-cuda12-pjrt==V"`, about 0.5 GB; no CUDA toolkit or driver); runs on
@@ -125,6 +126,45 @@ def chain(hlo_text: str) -> tuple[int, list[tuple[str, str, str]], dict[str, int
     return sum(i.launches for i in insts), steps, dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s4": 0.5, "u4": 0.5,
+                "f4e2m1fn": 0.5, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
+                "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+SMALL = 2**20  # a launch touching less than this is latency-bound on an H100 / H200
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape text ("bf16[1,5120]{1,0}", or a tuple of such)."""
+    total = 0.0
+    for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]", shape):
+        if dtype in _DTYPE_BYTES:
+            n = 1
+            for d in dims.split(","):
+                n *= int(d) if d else 1
+            total += n * _DTYPE_BYTES[dtype]
+    return int(total)
+
+
+def launch_bytes(hlo_text: str) -> dict[str, int]:
+    """Each launching entry instruction -> the bytes of its result and of its operands' results,
+    whole: an upper bound on what the launch touches (a fusion that gathers a row of a large
+    table, or updates a slice of a cache in place, counts the whole buffer). Launches under
+    `SMALL` by this count move too little to stream: their time is their fixed cost."""
+    shapes = {}
+    inside = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            inside = True
+            continue
+        if inside and line.startswith("}"):
+            break
+        m = cp._INST.match(line) if inside else None
+        if m:
+            rest = m.group(2)
+            shapes[m.group(1)] = shape_bytes(rest[:len(rest) - len(cp._split_shape(rest))])
+    return {i.name: shapes.get(i.name, 0) + sum(shapes.get(a, 0) for a in i.args)
+            for i in cp.entry_instructions(hlo_text) if i.launches}
+
+
 def _ints(s: str, flag: str) -> list[int]:
     try:
         out = ms._ints(s)
@@ -156,8 +196,13 @@ def main(argv=None) -> int:
                     print(f"error: {e}", file=sys.stderr)
                     return 2
                 n, path_names, counts = chain(text)
+                touched = launch_bytes(text)
+                small = [b for b in touched.values() if b < SMALL]
+                chain_small = sum(touched.get(name, 0) < SMALL for name, _, _ in path_names)
                 print(f"decode {path} batch {batch} context {context} ({CARDS[ns.card]['name']}, compiled without "
-                      f"a device): {n} launches, {len(path_names)} on the longest dependent chain")
+                      f"a device): {n} launches, {len(path_names)} on the longest dependent chain; "
+                      f"{len(small)} launches ({chain_small} on the chain) touch under 1 MiB "
+                      f"({sum(small) / 1e6:.1f} MB in all)")
                 for label, c in counts.items():
                     print(f"  {c:4d}  {label}")
                 if ns.chain:
@@ -168,7 +213,8 @@ def main(argv=None) -> int:
                     (Path(ns.hlo) / f"decode_{path}_{batch}x{context}_{ns.card}.txt.gz").write_bytes(
                         gzip.compress(text.encode()))
                 rows.append({"path": path, "batch": batch, "context": context, "card": ns.card, "launches": n,
-                             "on_chain": len(path_names), "chain_by_source": counts})
+                             "on_chain": len(path_names), "launches_under_1mib": len(small),
+                             "chain_under_1mib": chain_small, "chain_by_source": counts})
     if ns.json:
         Path(ns.json).write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=1))
     return 0

@@ -729,3 +729,30 @@ def test_bad_ab_flags_are_refused_with_the_flag_named(tmp_path, capsys, flags, m
     with pytest.raises(SystemExit) as e:
         model_speed.main(["--out", str(tmp_path), "--tiny", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+_LB_HLO = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main (a: bf16[1024,1024], b: f32[4]) -> (f32[4], bf16[2]) {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %f = f32[4]{0} fusion(%b), kind=kLoop, calls=%fused
+  %g = (bf16[2]{0}, f32[4]{0}) custom-call(%a, %f), custom_call_target="x"
+  %t = bf16[2]{0} get-tuple-element(%g), index=0
+  ROOT %r = (f32[4]{0}, bf16[2]{0}) tuple(%f, %t)
+}
+"""
+
+
+def test_launch_bytes_count_each_launchs_result_and_operands_whole():
+    from benchmarks import launch_count
+
+    # the fusion: its f32[4] result and operand; the custom call: its tuple result (4 + 16 bytes),
+    # the 2 MiB parameter and the fusion's result. Views and tuples launch nothing.
+    assert launch_count.launch_bytes(_LB_HLO) == {"f": 32, "g": 20 + 2**21 + 16}
+    assert launch_count.shape_bytes("(f8e4m3fn[32768,1280]{1,0}, s4[4]{0}, pred[])") == 32768 * 1280 + 2 + 1
