@@ -22,7 +22,10 @@ registers without a device.
 The platform-dependent choices (kernels, float64) are made for a GPU (`target_platform`).
 
   python -m benchmarks.launch_count [--batches 1,64] [--contexts 4096] [--card h100] [--paths fast]
-                                    [--chain] [--hlo DIR] [--json FILE]
+                                    [--chain] [--hlo DIR] [--json FILE] [--prefill 4096 [--top 15]]
+
+`--prefill` also compiles the prefill of one prompt per length and lists the source lines whose
+launches touch the most bytes (`bytes_by_source`).
 """
 
 from __future__ import annotations
@@ -110,6 +113,38 @@ def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast")
         return fn.lower(on_card(state), rows, rows, on_card(cache)).compile().as_text()
 
 
+def prefill_hlo(length: int, card: str = "h100") -> str:
+    """The optimized HLO text of `model_speed`'s six-layer full-width prefill of one prompt of
+    `length` tokens (the fast path, a cache of `length` positions), compiled for `card`."""
+    sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
+    args = ms.bench_args(False, 1, length, "auto", fp4_scale_fold="on")
+    with target_platform("gpu"):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
+        cache = jax.eval_shape(lambda: init_cache(args, 1, length))
+        on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+        ids = jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=sharding)
+
+        def run(state, ids, cache):
+            return nnx.merge(graphdef, state).prefill(ids, None, cache)
+
+        return jax.jit(run).lower(on_card(state), ids, on_card(cache)).compile().as_text()
+
+
+def bytes_by_source(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """Emitting source line (`model_speed.path_label`) -> (launches, bytes touched: `launch_bytes`,
+    an upper bound), most bytes first, over the entry computation's launches (a while loop's body
+    counts as its one launch, its operands and result whole)."""
+    touched = launch_bytes(hlo_text)
+    sources = ms.hlo_sources(hlo_text)
+    out: dict[str, list[int]] = {}
+    for inst in cp.entry_instructions(hlo_text):
+        if inst.name in touched:
+            entry = out.setdefault(ms.path_label(sources, inst), [0, 0])
+            entry[0] += 1
+            entry[1] += touched[inst.name]
+    return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
+
 def chain(hlo_text: str) -> tuple[int, list[tuple[str, str, str]], dict[str, int]]:
     """(launching instructions of the entry computation, its longest chain of dependent launches
     in order as (instruction, layer scope or "", emitting source line), that chain's launches per
@@ -184,8 +219,12 @@ def main(argv=None) -> int:
     p.add_argument("--chain", action="store_true", help="also list the chain's launches in order")
     p.add_argument("--hlo", default=None, help="directory for the optimized HLO texts (.txt.gz)")
     p.add_argument("--json", default=None, help="write the counts to this JSON file")
+    p.add_argument("--prefill", default="", help="also prefill lengths (comma list): launches and the source lines "
+                                                 "touching the most bytes")
+    p.add_argument("--top", type=int, default=15, help="source lines listed per prefill")
     ns = p.parse_args(argv)
     batches, contexts = _ints(ns.batches, "--batches"), _ints(ns.contexts, "--contexts")
+    lengths = _ints(ns.prefill, "--prefill") if ns.prefill else []
     rows = []
     for path in [q for q in ns.paths.split(",") if q]:
         for context in contexts:
@@ -215,6 +254,23 @@ def main(argv=None) -> int:
                 rows.append({"path": path, "batch": batch, "context": context, "card": ns.card, "launches": n,
                              "on_chain": len(path_names), "launches_under_1mib": len(small),
                              "chain_under_1mib": chain_small, "chain_by_source": counts})
+    for length in lengths:
+        try:
+            text = prefill_hlo(length, ns.card)
+        except (RuntimeError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        by_source = bytes_by_source(text)
+        total = sum(b for _, b in by_source.values())
+        print(f"prefill {length} tokens ({CARDS[ns.card]['name']}, compiled without a device): "
+              f"{sum(n for n, _ in by_source.values())} launches touching {total / 1e9:.1f} GB (whole operands: "
+              f"an upper bound); the source lines touching the most:")
+        for label, (n, b) in list(by_source.items())[:ns.top]:
+            print(f"  {b / 1e9:8.2f} GB {n:4d}  {label}")
+        if ns.hlo:
+            Path(ns.hlo).mkdir(parents=True, exist_ok=True)
+            (Path(ns.hlo) / f"prefill_{length}_{ns.card}.txt.gz").write_bytes(gzip.compress(text.encode()))
+        rows.append({"prefill": length, "card": ns.card, "bytes_by_source": {k: list(v) for k, v in by_source.items()}})
     if ns.json:
         Path(ns.json).write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=1))
     return 0

@@ -756,3 +756,7 @@ def test_launch_bytes_count_each_launchs_result_and_operands_whole():
     # the 2 MiB parameter and the fusion's result. Views and tuples launch nothing.
     assert launch_count.launch_bytes(_LB_HLO) == {"f": 32, "g": 20 + 2**21 + 16}
     assert launch_count.shape_bytes("(f8e4m3fn[32768,1280]{1,0}, s4[4]{0}, pred[])") == 32768 * 1280 + 2 + 1
+    # per emitting line (no metadata here: the instruction's own name), most bytes first
+    assert list(launch_count.bytes_by_source(_LB_HLO).items()) == [("g", (1, 20 + 2**21 + 16)), ("f", (1, 32))]
+    with pytest.raises(SystemExit, match="--prefill: expected a comma-separated list"):
+        launch_count.main(["--prefill", "0"])
