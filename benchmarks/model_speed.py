@@ -550,6 +550,19 @@ def routed_experts(graphdef, state, ids, pos, cache, context_bound=None) -> tupl
     return [len(np.unique(np.asarray(got[k]))) for k in sorted(got)], cache
 
 
+def _decode_setup(tiny, batch, context, path, cache_len, bound):
+    """(args, cache length, context bound, parameter bytes, per-layer counts, bytes, FLOPs) of a
+    decode row: caches of max(cache_len, context) positions, `Generator`'s context bound where
+    `bound`, bytes from uniform routing (`decode_bytes`), FLOPs with the head's."""
+    cache_len_row = max(cache_len or context, context)
+    args = bench_args(tiny, batch, cache_len_row, *PATHS[path])
+    context_bound = context_bucket(context, cache_len_row) if bound else None
+    pb = param_bytes(args)
+    counts, by = decode_bytes(args, pb, batch, context)
+    fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
+    return args, cache_len_row, context_bound, pb, counts, by, fl
+
+
 def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profile_for=(), cache_len=None,
                    bound=True, measure_routing=False, loop_steps=0, host_loop=False, generate_steps=0,
                    generate_batches=(1, 8)):
@@ -569,12 +582,8 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
         for batch in batches:
             for path in paths:
                 name = f"decode {path}"
-                cache_len_row = max(cache_len or context, context)
-                args = bench_args(tiny, batch, cache_len_row, *PATHS[path])
-                context_bound = context_bucket(context, cache_len_row) if bound else None
-                pb = param_bytes(args)
-                counts, by = decode_bytes(args, pb, batch, context)
-                fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
+                args, cache_len_row, context_bound, pb, counts, by, fl = _decode_setup(tiny, batch, context, path,
+                                                                                      cache_len, bound)
                 try:
                     graphdef, state = random_model(args)
                     graphdef, state = with_path_flags(graphdef, state, path)
@@ -720,12 +729,7 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
         for batch in batches:
             if context <= steps + 1:
                 raise ValueError(f"--ab: context {context} must exceed the loop's {steps} steps + 1")
-            cache_len_row = max(cache_len or context, context)
-            args = bench_args(tiny, batch, cache_len_row, *PATHS[a])
-            context_bound = context_bucket(context, cache_len_row) if bound else None
-            pb = param_bytes(args)
-            counts, by = decode_bytes(args, pb, batch, context)
-            fl = sum(c[1] for c in counts) + 2 * batch * args.vocab_size * args.dim
+            args, _, context_bound, pb, _, by, fl = _decode_setup(tiny, batch, context, a, cache_len, bound)
             graphdef, state = random_model(args)
             programs = {path: with_path_flags(graphdef, state, path) for path in pair}  # the same weight arrays
             cache = seeded_cache(args, batch, context)
@@ -735,7 +739,7 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
             if measure_routing:
                 hit, cache = routed_experts(*programs[a], ids, pos, cache, context_bound)
                 extra = {"bytes_uniform_routing": by, "unique_experts_measured": hit}
-                counts, by = decode_bytes(args, pb, batch, context, hit)
+                _, by = decode_bytes(args, pb, batch, context, hit)
             holder = {}
             calls, first, compile_s = {}, {}, {}
             for path in pair:
