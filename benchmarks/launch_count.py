@@ -113,13 +113,16 @@ def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast")
         return fn.lower(on_card(state), rows, rows, on_card(cache)).compile().as_text()
 
 
-def prefill_hlo(length: int, card: str = "h100") -> str:
+def prefill_hlo(length: int, card: str = "h100", path: str = "fast") -> str:
     """The optimized HLO text of `model_speed`'s six-layer full-width prefill of one prompt of
-    `length` tokens (the fast path, a cache of `length` positions), compiled for `card`."""
+    `length` tokens (a cache of `length` positions), compiled for `card`; `path` as `decode_hlo`."""
+    if path not in ("fast", "reference", *ms.PATH_FLAGS):
+        raise ValueError(f"--paths: unknown path {path!r} (fast, reference, {', '.join(ms.PATH_FLAGS)})")
     sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
-    args = ms.bench_args(False, 1, length, "auto", fp4_scale_fold="on")
+    args = ms.bench_args(False, 1, length, "reference" if path == "reference" else "auto", fp4_scale_fold="on")
     with target_platform("gpu"):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
+        graphdef, state = ms.with_path_flags(graphdef, state, path)
         cache = jax.eval_shape(lambda: init_cache(args, 1, length))
         on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
         ids = jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=sharding)
@@ -254,23 +257,24 @@ def main(argv=None) -> int:
                 rows.append({"path": path, "batch": batch, "context": context, "card": ns.card, "launches": n,
                              "on_chain": len(path_names), "launches_under_1mib": len(small),
                              "chain_under_1mib": chain_small, "chain_by_source": counts})
-    for length in lengths:
+    for path, length in ((q, n) for q in ns.paths.split(",") if q for n in lengths):
         try:
-            text = prefill_hlo(length, ns.card)
+            text = prefill_hlo(length, ns.card, path)
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         by_source = bytes_by_source(text)
         total = sum(b for _, b in by_source.values())
-        print(f"prefill {length} tokens ({CARDS[ns.card]['name']}, compiled without a device): "
+        print(f"prefill {path} {length} tokens ({CARDS[ns.card]['name']}, compiled without a device): "
               f"{sum(n for n, _ in by_source.values())} launches touching {total / 1e9:.1f} GB (whole operands: "
               f"an upper bound); the source lines touching the most:")
         for label, (n, b) in list(by_source.items())[:ns.top]:
             print(f"  {b / 1e9:8.2f} GB {n:4d}  {label}")
         if ns.hlo:
             Path(ns.hlo).mkdir(parents=True, exist_ok=True)
-            (Path(ns.hlo) / f"prefill_{length}_{ns.card}.txt.gz").write_bytes(gzip.compress(text.encode()))
-        rows.append({"prefill": length, "card": ns.card, "bytes_by_source": {k: list(v) for k, v in by_source.items()}})
+            (Path(ns.hlo) / f"prefill_{path}_{length}_{ns.card}.txt.gz").write_bytes(gzip.compress(text.encode()))
+        rows.append({"path": path, "prefill": length, "card": ns.card,
+                     "bytes_by_source": {k: list(v) for k, v in by_source.items()}})
     if ns.json:
         Path(ns.json).write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=1))
     return 0
