@@ -42,6 +42,7 @@ class Inst:
     args: tuple[str, ...]  # operand instruction names
     kernel: str | None  # a Pallas / Triton custom call's kernel name ("fp8_matmul"), else None
     wraps_sort: bool = False  # a fusion whose root is a sort (its kernels are named "sort_...")
+    shape: str = ""  # the result shape's text ("bf16[1,5120]{1,0}", or a tuple of such)
 
     @property
     def launches(self) -> bool:
@@ -106,7 +107,7 @@ def entry_instructions(hlo_text: str) -> list[Inst]:
             kernel = k.group(1) if k else None
         calls = re.search(r"calls=%?([\w.\-]+)", body)
         wraps_sort = op.group(1) == "fusion" and calls is not None and calls.group(1) in sort_roots
-        insts.append(Inst(m.group(1), op.group(1), args, kernel, wraps_sort))
+        insts.append(Inst(m.group(1), op.group(1), args, kernel, wraps_sort, m.group(2)[:len(m.group(2)) - len(body)]))
     if not insts:
         raise ValueError("no ENTRY computation in the HLO text")
     return insts

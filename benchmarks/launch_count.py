@@ -135,8 +135,8 @@ def prefill_hlo(length: int, card: str = "h100", path: str = "fast") -> str:
 
 def bytes_by_source(hlo_text: str) -> dict[str, tuple[int, int]]:
     """Emitting source line (`model_speed.path_label`) -> (launches, bytes touched: `launch_bytes`,
-    an upper bound), most bytes first, over the entry computation's launches (a while loop's body
-    counts as its one launch, its operands and result whole)."""
+    an upper bound), most bytes first, over the entry computation's launches (the kernels inside
+    a while loop's body, as the chunked float64 attention's, are not counted)."""
     touched = launch_bytes(hlo_text)
     sources = ms.hlo_sources(hlo_text)
     out: dict[str, list[int]] = {}
@@ -187,20 +187,9 @@ def launch_bytes(hlo_text: str) -> dict[str, int]:
     whole: an upper bound on what the launch touches (a fusion that gathers a row of a large
     table, or updates a slice of a cache in place, counts the whole buffer). Launches under
     `SMALL` by this count move too little to stream: their time is their fixed cost."""
-    shapes = {}
-    inside = False
-    for line in hlo_text.splitlines():
-        if line.startswith("ENTRY"):
-            inside = True
-            continue
-        if inside and line.startswith("}"):
-            break
-        m = cp._INST.match(line) if inside else None
-        if m:
-            rest = m.group(2)
-            shapes[m.group(1)] = shape_bytes(rest[:len(rest) - len(cp._split_shape(rest))])
-    return {i.name: shapes.get(i.name, 0) + sum(shapes.get(a, 0) for a in i.args)
-            for i in cp.entry_instructions(hlo_text) if i.launches}
+    insts = cp.entry_instructions(hlo_text)
+    shapes = {i.name: shape_bytes(i.shape) for i in insts}
+    return {i.name: shapes[i.name] + sum(shapes.get(a, 0) for a in i.args) for i in insts if i.launches}
 
 
 def _ints(s: str, flag: str) -> list[int]:

@@ -337,18 +337,28 @@ def expected_decode_keys(gs: GoldenSet, prefix: str) -> set[str]:
 # ------------------------------------------------------------------------------------ compare
 
 
+def _stream_out_of_bound(p: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, float]:
+    """(bool per element: outside |p - g| <= 2^-7 |g| + 2^-7 RMS(g), or a non-finite mismatch;
+    the RMS of g's finite values) for a bf16 stream, both as float64."""
+    finite = np.isfinite(g)
+    rms = float(np.sqrt(np.mean(g[finite] ** 2))) if finite.any() else 0.0
+    with np.errstate(invalid="ignore"):
+        bad = np.abs(p - g) > BF16_REL * np.abs(g) + BF16_REL * rms
+    bad |= np.isfinite(p) != finite
+    bad |= ~finite & (p != g) & ~(np.isnan(p) & np.isnan(g))
+    return bad, rms
+
+
 def _bf16_stream(p, g):
     p, g = p.astype(np.float64), g.astype(np.float64)
     finite = np.isfinite(g)
     if not np.array_equal(finite, np.isfinite(p)) or not np.array_equal(p[~finite], g[~finite]):
         return False, np.inf, np.inf
-    p, g = p[finite], g[finite]
-    if g.size == 0:
+    if not finite.any():
         return True, 0.0, 0.0
-    rms = float(np.sqrt(np.mean(g**2)))
-    d = np.abs(p - g)
-    ok = bool(np.all(d <= BF16_REL * np.abs(g) + BF16_REL * rms))
-    return ok, float(d.max()), float(d.max() / rms) if rms else float(d.max())
+    bad, rms = _stream_out_of_bound(p, g)
+    d = np.abs(p - g)[finite]
+    return not bool(bad.any()), float(d.max()), float(d.max() / rms) if rms else float(d.max())
 
 
 def stream_rows_out_of_bound(port: np.ndarray, gold: np.ndarray) -> tuple[list[tuple[int, ...]], int]:
@@ -356,13 +366,8 @@ def stream_rows_out_of_bound(port: np.ndarray, gold: np.ndarray) -> tuple[list[t
     an element outside |port - gold| <= 2^-7 |gold| + 2^-7 RMS(gold) or a non-finite mismatch, and
     the number of rows. A failure at a few rows (one token's hc copies) is an upstream rounding
     flip at that token; at many, a systematic error."""
-    p, g = port.astype(np.float64), gold.astype(np.float64)
-    finite = np.isfinite(g)
-    rms = float(np.sqrt(np.mean(g[finite] ** 2))) if finite.any() else 0.0
-    with np.errstate(invalid="ignore"):
-        bad = np.abs(p - g) > BF16_REL * np.abs(g) + BF16_REL * rms
-    bad |= np.isfinite(p) != finite
-    bad |= ~finite & (p != g) & ~(np.isnan(p) & np.isnan(g))
+    g = gold.astype(np.float64)
+    bad, _ = _stream_out_of_bound(port.astype(np.float64), g)
     rows = bad.reshape(-1, g.shape[-1]).any(-1)
     return [tuple(int(i) for i in np.unravel_index(r, g.shape[:-1])) for r in np.flatnonzero(rows)], rows.size
 
