@@ -14,15 +14,14 @@ from pallas_kernels.sinkhorn import api as sinkhorn_api
 
 
 def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, norm_eps: float,
-             iters: int, hc_eps: float, implementation: str = "auto", interpret: bool = False,
-             fused_convert: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+             iters: int, hc_eps: float, implementation: str = "auto",
+             interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per token: mixes = (fn @ u) * rsqrt(mean(u^2) + eps) over the flattened hc*d stream u, then
     the Sinkhorn split; returns (pre, post, comb), all f32. The site lives in the kernels' api
     (`pallas_kernels.sinkhorn.api.hc_mixes`: projection accumulated in float64 and rounded once,
-    the Pallas split where `implementation` / `interpret` pick it, else the jnp reference;
-    `fused_convert`: `project_rounded_once`'s)."""
+    the Pallas split where `implementation` / `interpret` pick it, else the jnp reference)."""
     return sinkhorn_api.hc_mixes(x, fn, scale, base, norm_eps=norm_eps, iters=iters, hc_eps=hc_eps,
-                                 implementation=implementation, interpret=interpret, fused_convert=fused_convert)
+                                 implementation=implementation, interpret=interpret)
 
 
 def hc_pre(x: jax.Array, pre_mix: jax.Array) -> jax.Array:

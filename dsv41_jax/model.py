@@ -42,8 +42,6 @@ class Block(nnx.Module):
 
     Params: attn, ffn, attn_norm, ffn_norm, hc_{attn,ffn}_{fn [24, hc*dim], base [24], scale [3]}
     (f32), and `engram` on Engram layers (applied by the Transformer before the block).
-    `hc_fused_projection` (off; set on the module to try it): the sites' float64 projection
-    converts its f32 operands inside the dot (`sinkhorn.api.project_rounded_once(fused_convert=)`).
     """
 
     def __init__(self, layer_id: int, args: ModelArgs):
@@ -56,7 +54,6 @@ class Block(nnx.Module):
         self.engram = Engram(layer_id, args) if args.engram_table_index(layer_id) is not None else None
         self.attn_norm = RMSNorm(dim, args.norm_eps)
         self.ffn_norm = RMSNorm(dim, args.norm_eps)
-        self.hc_fused_projection = False  # set on the module to try the projection without a float64 copy
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", nnx.Param(jnp.zeros((mix, hc * dim), jnp.float32)))
             setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((mix,), jnp.float32)))
@@ -67,7 +64,7 @@ class Block(nnx.Module):
         return hc_mixes(
             x, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_scale")[...],
             getattr(self, f"hc_{site}_base")[...], norm_eps=a.norm_eps, iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps,
-            implementation=a.kernels, interpret=a.kernels_interpret, fused_convert=self.hc_fused_projection,
+            implementation=a.kernels, interpret=a.kernels_interpret,
         )
 
     def _forward(self, x: jax.Array, pre_mix: jax.Array, image_mask: jax.Array | None, attend,

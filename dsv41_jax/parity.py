@@ -32,7 +32,7 @@ from dsv41_jax.config import ModelArgs
 from dsv41_jax.engram import engram_hash
 from dsv41_jax.loading import load_hub_weights, resolve_fp4_scale_fold
 from dsv41_jax.mhc import identity_pre_mix
-from dsv41_jax.model import Block, Transformer
+from dsv41_jax.model import Transformer
 from dsv41_jax.moe import Experts, Gate
 
 # Parts of a golden checkpoint that the text model does not hold (vision tower, DSpark stages).
@@ -444,8 +444,6 @@ MODULE_SWITCHES = {
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "
                                                    "in one launch (GPU kernel only)")),
-    "hc_fused_projection": (Block, "hc_fused_projection", ("the hyper-connection sites' float64 projection with its "
-                                                           "converts inside the dot (no float64 copy of the stream)")),
 }
 
 

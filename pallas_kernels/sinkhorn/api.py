@@ -169,12 +169,11 @@ def _dispatch(mixes, scale, base, rms, *, hc, iters, eps, implementation, target
 
 def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, norm_eps: float, iters: int,
              hc_eps: float, implementation: Implementation = "auto", target: Target | None = None,
-             block_sizes: BlockSizes | None = None, interpret: bool = False,
-             fused_convert: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+             block_sizes: BlockSizes | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The whole Sinkhorn site (SPEC §4.2): x [b, s, hc, d] -> (pre, post, comb), f32.
 
     mixes = (fn @ u) * rsqrt(mean(u^2) + norm_eps) over the flattened stream u = x [b, s, hc * d];
-    the projection (`project_rounded_once`, with `fused_convert` as there) and the mean of squares
+    the projection (`project_rounded_once`) and the mean of squares
     stay in XLA; the kernel applies the RMS factor and the split in one launch (the reference path
     multiplies first: the same f32 product). This is the model's site (`dsv41_jax.mhc.hc_mixes`
     calls it).
@@ -186,30 +185,26 @@ def hc_mixes(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *, 
         raise ValueError(f"fn must be [{n_mix}, {hc * d}] for x {x.shape}, got {fn.shape=}")
     u = x.reshape(b, s, hc * d).astype(jnp.float32)
     rsqrt = reciprocal_sqrt(mean(jnp.square(u), axis=-1) + jnp.float32(norm_eps))  # [b, s]
-    proj = project_rounded_once(u, fn.astype(jnp.float32), fused_convert=fused_convert)
+    proj = project_rounded_once(u, fn.astype(jnp.float32))
     return _dispatch(proj, scale, base, rsqrt, hc=hc, iters=iters, eps=hc_eps, implementation=implementation,
                      target=target, block_sizes=block_sizes, interpret=interpret)
 
 
-def project_rounded_once(u: jax.Array, fn: jax.Array, fused_convert: bool = False) -> jax.Array:
+def project_rounded_once(u: jax.Array, fn: jax.Array) -> jax.Array:
     """u f32 [b, s, K] @ fn^T f32 [m, K] -> f32 [b, s, m], accumulated in float64 and rounded once,
     as the reference's fp32 linear is evaluated (the 20480-long sum otherwise moves the mixes by an
     fp32 ulp, enough to flip a bf16 rounding of the stream now and then). TPUs have no float64:
     there the sum stays fp32 (HIGHEST).
 
-    fused_convert: the dot takes the f32 operands and asks for a float64 result
-    (`preferred_element_type`) instead of dotting float64 copies: the same exact products and
-    float64 sums (on the CPU the same program, bit for bit), but XLA:GPU then converts inside its
-    GEMM fusion rather than writing a float64 copy of the stream first (671 MB a site for a
-    4096-token prefill at the released width, read back by the GEMM: `benchmarks.launch_count
-    --prefill`)."""
+    The dot takes the f32 operands and asks for a float64 result (`preferred_element_type`): the
+    exact products summed in float64, as a dot of float64 copies would (on the CPU the same
+    program, bit for bit), but XLA:GPU converts inside its GEMM fusion instead of first writing a
+    float64 copy of the stream (671 MB a site in a 4096-token prefill at the released width, read
+    back by the GEMM). On an H100 that prefill took 1% less time with golden parity unchanged
+    (benchmarks/README.md, thirty-fourth session)."""
     if platform() == "tpu":
         return jnp.einsum("bsk,mk->bsm", u, fn, precision=jax.lax.Precision.HIGHEST)
     with jax.enable_x64(True):
-        if fused_convert:
-            y = jax.lax.dot_general(u, fn, (((2,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float64)
-        else:
-            y = jnp.einsum("bsk,mk->bsm", u.astype(jnp.float64), fn.astype(jnp.float64),
-                           precision=jax.lax.Precision.HIGHEST)
+        y = jax.lax.dot_general(u, fn, (((2,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float64)
         return y.astype(jnp.float32)
