@@ -1,5 +1,5 @@
-"""Kernel benchmark: the Sinkhorn site, sparse attention, the gate's one-row logits (Pallas kernel vs
-the XLA reference) and `wo_a`'s one-row launch with and without its weight read into L2 first.
+"""Kernel benchmark: the Sinkhorn site, sparse attention and the gate's one-row logits, Pallas kernel
+vs the XLA reference.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--budget-s 420]
 
@@ -232,49 +232,6 @@ def router_rows(copy_bw: float) -> list[Row]:
     return rows
 
 
-def read_ahead_rows(copy_bw: float) -> list[Row]:
-    """The one-row launch of the attention's `wo_a` (released: e4m3 [8192, 4096], 8 groups, x bf16
-    [1, 32768]) from HBM ("cold": every call its own weight, none left in L2 by the call before),
-    after `pallas_kernels.prefetch.read_ahead` of its weight in the same program ("read ahead +
-    launch": both kernels' device time), and the reading alone; the launch's own time after the
-    reading is the difference of the two. MB moved: the weight and its scales once."""
-    from pallas_kernels.fp8_matmul import api as fp8_api
-    from pallas_kernels.prefetch import read_ahead
-
-    g, n, k = 8, 8192, 4096
-
-    def make(i):
-        key = jax.random.key(500 + i)
-        w = jax.random.bits(key, (n, k), jnp.uint8).view(jnp.float8_e4m3fn)
-        s = jax.random.randint(jax.random.fold_in(key, 1), (n // 32, k // 32), 120, 131).astype(jnp.uint8)
-        x = jax.random.normal(jax.random.fold_in(key, 2), (1, g * k), jnp.bfloat16)
-        return x, w, s
-
-    def launch(x, w, s, after=None):
-        return fp8_api._kernel_or_none(x, (w,), (s,), False, None, groups=g, keep_splits=True, after=after)[0]
-
-    variants = {"cold": launch,
-                "read ahead + launch": lambda x, w, s: launch(x, w, s, after=read_ahead(w, x, implementation="pallas")),
-                "read ahead alone": lambda x, w, s: read_ahead(w, x, implementation="pallas")}
-    nbytes = n * k + (n // 32) * (k // 32)
-    rows, want = [], None
-    for label, f in variants.items():
-        try:
-            sec, dev = _time(f, make, inner=8, reps=30)
-            err = ""
-            if label != "read ahead alone":
-                got = np.asarray(jax.jit(f)(*make(0)), np.float32)
-                want = got if want is None else want
-                err = "bit-identical to cold" if np.array_equal(got, want) else "DIFFERS from cold"
-        except Exception as e:  # noqa: BLE001 (a failing row is a result)
-            rows.append(Row("wo_a one row", "1 x 32768 -> 8192 (8 groups)", label, float("nan"), float("nan"),
-                            nbytes, 0.0, note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
-            continue
-        rows.append(Row("wo_a one row", "1 x 32768 -> 8192 (8 groups)", label, sec * 1e6, dev * 1e6, nbytes,
-                        nbytes / _best(sec, dev) / copy_bw, err))
-    return rows
-
-
 # ---------------------------------------------------------------------------- sparse attention
 
 
@@ -479,7 +436,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time tile variants of the attention kernel first")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,router,readahead,attention")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,router,attention")
     p.add_argument("--tokens", default="1,64,4096", help="Sinkhorn token counts (comma list)")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (comma list)")
     p.add_argument("--contexts", default="4096,65536", help="decode context lengths (comma list)")
@@ -504,10 +461,6 @@ def main(argv=None) -> int:
                 print(_fmt(r), flush=True)
     if "router" not in a.skip:
         for r in router_rows(copy_bw):
-            rows.append(r)
-            print(_fmt(r), flush=True)
-    if "readahead" not in a.skip:
-        for r in read_ahead_rows(copy_bw):
             rows.append(r)
             print(_fmt(r), flush=True)
     if "attention" not in a.skip:

@@ -52,9 +52,7 @@ attention on the GPU kernel's float64 program instead of the jnp reference (`Att
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
 is `fast` with a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch
-(`Attention.kv_row_kernel`, `pallas_kernels.window_kv`); `fast-rows` is both; `fast-readwoa` is
-`fast` with a single row's `wo_a` read into L2 during the attention (`Attention.read_ahead_wo_a`,
-`pallas_kernels.prefetch`). `--tiny` runs
+(`Attention.kv_row_kernel`, `pallas_kernels.window_kv`); `fast-rows` is both. `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -102,18 +100,16 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
-# "fast-rows": both; "fast-readwoa": "fast" with wo_a read into L2 during the attention
-# (`Attention.read_ahead_wo_a`)
+# "fast-rows": both
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
          "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
          "fast-gatenorm": ("auto", "auto", "auto"), "fast-kvrow": ("auto", "auto", "auto"),
-         "fast-rows": ("auto", "auto", "auto"), "fast-readwoa": ("auto", "auto", "auto"),
+         "fast-rows": ("auto", "auto", "auto"),
          "reference": ("reference", "auto", "auto")}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
               "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
-              "fast-rows": ("gate_norm_logits", "kv_row_kernel"),
-              "fast-readwoa": ("read_ahead_wo_a",)}
+              "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -293,8 +289,7 @@ def random_model(args: ModelArgs, seed: int = 0):
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
     `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
-    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both, "fast-readwoa":
-    `Attention.read_ahead_wo_a`); other paths unchanged."""
+    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)

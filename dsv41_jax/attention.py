@@ -37,7 +37,6 @@ from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels._dispatch import platform
 from pallas_kernels.fp8_matmul import api as fp8_matmul
 from pallas_kernels.fp8_matmul import reference as fp8_reference
-from pallas_kernels.prefetch.api import read_ahead
 from pallas_kernels.sparse_attention.api import BlockSizes as SparseAttnBlockSizes
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
@@ -513,8 +512,6 @@ class Attention(nnx.Module):
     `kv_row_kernel` (off; set on the module to try it): a one-row decode step's window-KV row
     (kv_norm, RoPE, FP8 QDQ, the ring write) runs as one kernel launch
     (`pallas_kernels.window_kv`) instead of XLA's three.
-    `read_ahead_wo_a` (off; set on the module to try it): a one-row decode step reads `wo_a` into
-    the GPU's L2 beside the attention's kernels (`pallas_kernels.prefetch`), once q is formed.
     """
 
     def __init__(self, layer_id: int, args: ModelArgs):
@@ -530,7 +527,6 @@ class Attention(nnx.Module):
         self.accumulate = resolve_attn_accumulate(args.attn_accumulate)
         self.f64_kernel = False  # set on the module to try the GPU kernel's float64 program
         self.kv_row_kernel = False  # set on the module to try the one-launch window-KV row
-        self.read_ahead_wo_a = False  # set on the module to try reading wo_a into L2 during the attention
         self.is_index_source = args.is_index_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.is_candidate_source = args.is_candidate_source(layer_id)
@@ -606,10 +602,8 @@ class Attention(nnx.Module):
         (cos/sin [1, n, rd/2]), FP4 QDQ with E4M3 scales per 16."""
         return quant.fp4_quant_dequant_e4m3(apply_rope(latent, cos, sin, self.rope_dim), COMPRESSED_KV_BLOCK)
 
-    def output(self, o: jax.Array, cos: jax.Array, sin: jax.Array, after: jax.Array | None = None) -> jax.Array:
-        """o bf16 [b, s, H, hd] -> bf16 [b, s, dim]: de-rotate, grouped low-rank wo_a, then wo_b.
-        after: with `read_ahead_wo_a`, the array once computed which a single row reads wo_a into
-        L2 (`pallas_kernels.prefetch.read_ahead`), for wo_a's launch to find it there."""
+    def output(self, o: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """o bf16 [b, s, H, hd] -> bf16 [b, s, dim]: de-rotate, grouped low-rank wo_a, then wo_b."""
         b, s = o.shape[:2]
         o = apply_rope(o, cos, sin, self.rope_dim, inverse=True)
         o = to_bf16(o).reshape(b, s, self.n_groups, -1)
@@ -618,13 +612,9 @@ class Attention(nnx.Module):
         # the fp8 matrix gives the reference's bf16 values), one rounding
         if self.wo_a.dtype == "fp8" and self.wo_b.dtype == "fp8" and self.wo_b.weight.ndim == 2:
             # (a single row: wo_b's launch adds wo_a's split partial sums itself)
-            token = None
-            if self.read_ahead_wo_a and after is not None and b * s == 1:
-                token = read_ahead(self.wo_a.weight[...], after, implementation=self.wo_a.kernels,
-                                   interpret=self.wo_a.kernels_interpret)
             return fp8_matmul.grouped_linear(o, self.wo_a.weight[...], self.wo_a.scale[...], self.wo_b.weight[...],
                                              self.wo_b.scale[...], implementation=self.wo_a.kernels,
-                                             interpret=self.wo_a.kernels_interpret, after=token)
+                                             interpret=self.wo_a.kernels_interpret)
         if self.wo_a.dtype == "fp8":
             y = fp8_matmul.grouped(o, self.wo_a.weight[...], self.wo_a.scale[...],
                                    implementation=self.wo_a.kernels, interpret=self.wo_a.kernels_interpret)
@@ -851,7 +841,7 @@ class Attention(nnx.Module):
         o = sparse_attn(q, kv, self.attn_sink[...], idx, self.softmax_scale, implementation=self.kernels,
                         accumulate=self.accumulate, interpret=self.kernels_interpret,
                         block_sizes=self.attn_block_sizes())
-        return self.output(o, cos, sin, after=q), shared, cache, aux
+        return self.output(o, cos, sin), shared, cache, aux
 
     def compressed_decode(self, x: jax.Array, qi: jax.Array | None, cos: jax.Array, sin: jax.Array, pos: jax.Array,
                           shared: dict, cache: dict, aux: dict, reference_compat,

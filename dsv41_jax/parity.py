@@ -444,8 +444,6 @@ MODULE_SWITCHES = {
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "
                                                    "in one launch (GPU kernel only)")),
-    "read_ahead_wo_a": (Attention, "read_ahead_wo_a", ("a single row's wo_a read into the GPU's L2 beside the "
-                                                       "attention's kernels (GPU kernel only; no value changes)")),
 }
 
 

@@ -9,17 +9,6 @@ from jax.experimental import pallas as pl
 from dsv41_jax import quant
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may opt into on H100/H200
-# a [1, 16] block of an ordering operand (`as_order_operand`): a kernel takes it and never loads it,
-# so its launch waits for whatever computed it (`pallas_kernels.prefetch`)
-ORDER_SPEC = pl.BlockSpec((1, 16), lambda *_: (0, 0))
-
-
-def as_order_operand(a: jax.Array) -> jax.Array:
-    """Any array of >= 16 elements -> [1, size] (a reshape, no copy): the operand `ORDER_SPEC`
-    describes."""
-    if a.size < 16:
-        raise NotImplementedError(f"an ordering operand needs >= 16 elements, got {a.shape}")
-    return a.reshape(1, -1)
 
 
 def is_pow2(x: int) -> bool:

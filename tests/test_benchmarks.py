@@ -692,25 +692,6 @@ def test_router_rows_check_the_gate_launch_against_the_reference(monkeypatch):
             assert r.note.startswith("FAILED") and np.isnan(r.us), r
 
 
-def test_read_ahead_rows_time_the_wo_a_launch_cold_and_after_its_reading(monkeypatch):
-    """`kernels.read_ahead_rows`: the released wo_a's one-row launch cold, after its weight's
-    reading, and the reading alone, each with the weight's bytes; without a GPU the launch rows
-    say they failed (no timing here: `_time` is stubbed)."""
-    from benchmarks import kernels
-
-    monkeypatch.setattr(kernels, "_time", lambda fn, make, inner, reps: (2e-5, float("nan")))
-    rows = kernels.read_ahead_rows(copy_bw=1e12)
-    assert [r.impl for r in rows] == ["cold", "read ahead + launch", "read ahead alone"]
-    assert all(r.bytes == 8192 * 4096 + 256 * 128 for r in rows)
-    alone = rows[2]
-    assert alone.us == pytest.approx(20.0) and alone.err == "" and alone.bw_frac == pytest.approx(alone.bytes / 2e-5 / 1e12)
-    for r in rows[:2]:  # the launches are checked against the cold launch's values
-        if jax.default_backend() == "gpu":
-            assert r.us == pytest.approx(20.0) and r.err == "bit-identical to cold", r
-        else:
-            assert r.note.startswith("FAILED") and np.isnan(r.us), r
-
-
 def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeypatch):
     """--ab: two paths that differ only in module switches, one program each on the same weights
     and cache, timed in rounds A B, B A, ...; the second row holds the per-round differences."""

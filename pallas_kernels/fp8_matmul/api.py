@@ -140,14 +140,12 @@ def _validate_scale(name, w, s):
         raise ValueError(f"{name}: s must be e8m0 [ceil(N/32), ceil(K/32)] = {want}, got {s.shape=}")
 
 
-def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False, norm=None, keep_splits=False,
-                    after=None):
+def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False, norm=None, keep_splits=False):
     """The kernel's outputs (a tuple, one per weight), or None when the reference must run (a
     shape the kernel refuses); callers check `gpu_kernel` first. `groups`, `quantise`, `norm`:
     kernel_gpu's (with `quantise` x is the row before the activation quantiser, with `norm` the
     row before the RMSNorm, passed as it is; x [S, 1, K]: one row's partial sums). With
-    `keep_splits` the K-split partials [S, M, N] are returned unsummed (bf16 [M, N] at 1 split);
-    `after`: kernel_gpu's ordering token."""
+    `keep_splits` the K-split partials [S, M, N] are returned unsummed (bf16 [M, N] at 1 split)."""
     m, k = x.shape[-2], ws[0].shape[1]
     ns = tuple(w.shape[0] // groups for w in ws) * groups  # block_n must divide each group's rows
     bs = (block_sizes or BlockSizes()).resolved(m, ns, k)
@@ -156,8 +154,7 @@ def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False,
                                           block_m=bs.block_m, block_n=bs.block_n, block_k=bs.block_k,
                                           k_splits=bs.k_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
                                           decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise,
-                                          group_sums=bs.one_row_group_sums and bs.block_m == 1, norm=norm,
-                                          after=after)
+                                          group_sums=bs.one_row_group_sums and bs.block_m == 1, norm=norm)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)
@@ -248,14 +245,12 @@ def linear_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ..
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "block_sizes"))
 def grouped_linear(x: jax.Array, wa: jax.Array, sa: jax.Array, wb: jax.Array, sb: jax.Array, *,
                    implementation: Implementation = "auto", interpret: bool = False,
-                   block_sizes: BlockSizes | None = None, after: jax.Array | None = None) -> jax.Array:
+                   block_sizes: BlockSizes | None = None) -> jax.Array:
     """`linear(grouped(x, wa, sa), wb, sb)` (the attention's `wo_a`, then `wo_b`): x bf16
     [..., G, K] -> bf16 [..., N_b]. A single row on the kernel path (`BlockSizes.chain_one_row`)
     hands wo_a's K-split partial sums straight to wo_b's launch, which adds them in split order
     and rounds to bf16 as it loads each x tile (kernel_gpu's docstring): the launch that adds
-    them in between is saved. Only the order of those fp32 sums can differ from the two calls.
-    `after`: a token (`pallas_kernels.prefetch.read_ahead` of wa) that wa's one-row launch waits
-    for; other paths ignore it."""
+    them in between is saved. Only the order of those fp32 sums can differ from the two calls."""
     bs = block_sizes or BlockSizes()
     lead = x.shape[:-2]
     chained = (x.ndim >= 2 and math.prod(lead) == 1 and bs.chain_one_row and bs.quantise_one_row
@@ -270,8 +265,7 @@ def grouped_linear(x: jax.Array, wa: jax.Array, sa: jax.Array, wb: jax.Array, sb
             _validate_scale(f"fp8_matmul.grouped_linear ({name})", w, s)
         parts = None
         if n_a % g == 0:
-            parts = _kernel_or_none(x.reshape(1, g * k), (wa,), (sa,), interpret, bs, groups=g, keep_splits=True,
-                                    after=after)
+            parts = _kernel_or_none(x.reshape(1, g * k), (wa,), (sa,), interpret, bs, groups=g, keep_splits=True)
         if parts is not None:
             pa = parts[0]  # fp32 partial sums [S, 1, n_a], or bf16 [1, n_a] from one split
             out = _kernel_or_none(pa, (wb,), (sb,), interpret, bs, quantise=True)

@@ -58,16 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._triton import (
-    ORDER_SPEC,
-    SMEM_LIMIT,
-    act_quant_row,
-    as_order_operand,
-    e8m0_f32,
-    is_pow2,
-    rms_factor,
-    round_bf16_f32,
-)
+from pallas_kernels._triton import SMEM_LIMIT, act_quant_row, e8m0_f32, is_pow2, rms_factor, round_bf16_f32
 
 QBLOCK = 32  # weight scale block (rows and columns)
 
@@ -86,18 +77,18 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
             split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool, group_sums: bool,
-            norm_eps: float | None, interpret: bool, x_splits: int, after: bool = False):
+            norm_eps: float | None, interpret: bool, x_splits: int):
     # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K;
     # x_splits > 1: [x_splits, 1, K] fp32 partial sums of the row);
     # with norm_eps, nw_ref [1, K] bf16 (the RMSNorm weight); then per weight t: w_ref [N_t, K]
-    # e4m3 ("native") or int8 ("bits"), then s_ref [N_t/32, K/32] uint8, then (with `after`) an
-    # ordering operand never read, then o_ref [M, N_t] bf16 or [splits, M, N_t] fp32 when split.
+    # e4m3 ("native") or int8 ("bits"), then s_ref [N_t/32, K/32] uint8, then o_ref [M, N_t] bf16
+    # or [splits, M, N_t] fp32 when split.
     # Column block j of the grid belongs to the weight whose range of col_blocks holds it.
     nw_ref = None
     if norm_eps is not None:
         nw_ref, refs = refs[0], refs[1:]
     n_w = len(col_blocks)
-    w_refs, s_refs, o_refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w + int(after):]
+    w_refs, s_refs, o_refs = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
     i, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = i * block_m
     sn, sk = block_n // QBLOCK, block_k // QBLOCK
@@ -171,8 +162,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, groups: int = 1, **t
 def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
                     block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
                     interpret: bool, groups: int = 1, quantise: bool = False, group_sums: bool = False,
-                    norm: tuple[jax.Array, float] | None = None,
-                    after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                    norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
     """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
     ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
     it. The grid's column blocks run through the matrices in order; every output column is
@@ -189,8 +179,6 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     x may also be fp32 [S, 1, K]: one row as the S K-split partial sums of the launch before
     (block_m 1, no groups, no norm), added in split order and rounded to bf16 as each x tile is
     loaded, in place of the caller's sum.
-    `after`: a token the launch takes as an operand and never reads, so it waits for the kernel
-    that made it (`pallas_kernels.prefetch.read_ahead`, which reads a weight into L2 first).
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     x_splits = x.shape[0] if x.ndim == 3 else 1
@@ -251,7 +239,7 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
                                group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k,
                                quantise=quantise, group_sums=group_sums,
                                norm_eps=None if norm is None else float(norm[1]), interpret=interpret,
-                               x_splits=x_splits, after=after is not None)
+                               x_splits=x_splits)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
@@ -261,9 +249,9 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
         out_shape=out_shape,
         grid=(pl.cdiv(m, block_m), sum(col_blocks), k_splits),
         in_specs=[whole(x.shape)] + [whole(a.shape) for a in nw] + [whole(w.shape) for w in ws]
-        + [whole(s.shape) for s in ss] + ([] if after is None else [ORDER_SPEC]),
+        + [whole(s.shape) for s in ss],
         out_specs=[whole(o.shape) for o in out_shape],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="fp8_matmul",
-    )(x, *nw, *ws, *ss, *(() if after is None else (as_order_operand(after),))))
+    )(x, *nw, *ws, *ss))
