@@ -27,10 +27,11 @@ GOALS = {("decode fast loop", 1): 0.75, ("decode fast loop", 64): 0.80, ("prefil
 
 
 def latest(rows: list[dict], name: str, batch: int, context: int) -> dict | None:
-    """The row of that name, batch and context from the highest run that measured it."""
-    hits = [r for r in rows if r.get("name") == name and r.get("batch") == batch and r.get("context") == context
-            and r.get("seconds") is not None]
-    return max(hits, key=lambda r: (r.get("run", 0), str(r.get("part") or ""))) if hits else None
+    """The row of that name, batch and context from the highest run (and part) that measured it;
+    of several in one part, the last (a part's rows are in the order they were measured)."""
+    hits = [(i, r) for i, r in enumerate(rows) if r.get("name") == name and r.get("batch") == batch
+            and r.get("context") == context and r.get("seconds") is not None]
+    return max(hits, key=lambda h: (h[1].get("run", 0), str(h[1].get("part") or ""), h[0]))[1] if hits else None
 
 
 def layer_names(rows: list[dict]) -> list[str]:

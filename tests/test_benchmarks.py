@@ -418,6 +418,9 @@ def test_summary_takes_each_rows_latest_run_and_speed_ups_within_one_run(capsys,
     assert summary.speedups(rows) == [{"batch": 1, "context": 4096, "run": 20, "fast_s": 2e-3, "reference_s": 3e-3,
                                        "speedup": 1.5}]
     assert "| decode fast loop | 1 | 4096 | 1500.0 µs | 50.0% of hbm | 75% | 22a |" in summary.markdown(rows)
+    # of two rows of one run and part, the later one (timed after the first) is the latest
+    twice = [row("prefill fast", 1, 4096, 0.13, 8), row("prefill fast", 1, 4096, 0.129, 8)]
+    assert summary.latest(twice, "prefill fast", 1, 4096)["seconds"] == 0.129
     # the table names the cards its runs came from
     meta = {"runs": {"3": {"device": "NVIDIA H200", "jax": "0.11.2"}, "1": {"device": "NVIDIA H200", "jax": "0.11.2"},
                      "2": {"device": "NVIDIA H200", "jax": "0.11.2"}, "10": {"device": "NVIDIA H100 80GB HBM3"}}}
