@@ -94,38 +94,41 @@ def gpu_device(card: str):
     return topo.devices[0]
 
 
-def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast") -> str:
-    """The optimized HLO text of `model_speed`'s six-layer full-width decode step (`Generator`'s
-    context bound, every row at position context - 1) at `batch` rows, compiled for `card`.
-    path: "fast" (kernels auto), "reference" (plain jnp), or a `model_speed.PATH_FLAGS` path."""
+def _abstract_model(batch: int, cache_len: int, card: str, path: str):
+    """(args, graphdef, state, cache, on_card) of `model_speed`'s six-layer full-width model at
+    `batch` rows and a cache of `cache_len` positions, as shapes only; `on_card(tree)` places a
+    tree of shapes on `card`. Call inside `target_platform("gpu")`. path: "fast" (kernels auto),
+    "reference" (plain jnp), or a `model_speed.PATH_FLAGS` path."""
     if path not in ("fast", "reference", *ms.PATH_FLAGS):
         raise ValueError(f"--paths: unknown path {path!r} (fast, reference, {', '.join(ms.PATH_FLAGS)})")
     sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
-    args = ms.bench_args(False, batch, context, "reference" if path == "reference" else "auto",
+    args = ms.bench_args(False, batch, cache_len, "reference" if path == "reference" else "auto",
                          fp4_scale_fold="on")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
+    graphdef, state = ms.with_path_flags(graphdef, state, path)
+    cache = jax.eval_shape(lambda: init_cache(args, batch, args.max_seq_len))
+    on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    return args, graphdef, state, cache, on_card
+
+
+def decode_hlo(batch: int, context: int, card: str = "h100", path: str = "fast") -> str:
+    """The optimized HLO text of `model_speed`'s six-layer full-width decode step (`Generator`'s
+    context bound, every row at position context - 1) at `batch` rows, compiled for `card`;
+    `path` as `_abstract_model`."""
     with target_platform("gpu"):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
-        graphdef, state = ms.with_path_flags(graphdef, state, path)
-        cache = jax.eval_shape(lambda: init_cache(args, batch, args.max_seq_len))
-        on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-        rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
+        args, graphdef, state, cache, on_card = _abstract_model(batch, context, card, path)
+        rows = on_card(jax.ShapeDtypeStruct((batch,), jnp.int32))
         fn = ms._decode_fn(graphdef, context_bucket(context, args.max_seq_len))
         return fn.lower(on_card(state), rows, rows, on_card(cache)).compile().as_text()
 
 
 def prefill_hlo(length: int, card: str = "h100", path: str = "fast") -> str:
     """The optimized HLO text of `model_speed`'s six-layer full-width prefill of one prompt of
-    `length` tokens (a cache of `length` positions), compiled for `card`; `path` as `decode_hlo`."""
-    if path not in ("fast", "reference", *ms.PATH_FLAGS):
-        raise ValueError(f"--paths: unknown path {path!r} (fast, reference, {', '.join(ms.PATH_FLAGS)})")
-    sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
-    args = ms.bench_args(False, 1, length, "reference" if path == "reference" else "auto", fp4_scale_fold="on")
+    `length` tokens (a cache of `length` positions), compiled for `card`; `path` as
+    `_abstract_model`."""
     with target_platform("gpu"):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
-        graphdef, state = ms.with_path_flags(graphdef, state, path)
-        cache = jax.eval_shape(lambda: init_cache(args, 1, length))
-        on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-        ids = jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=sharding)
+        _, graphdef, state, cache, on_card = _abstract_model(1, length, card, path)
+        ids = on_card(jax.ShapeDtypeStruct((1, length), jnp.int32))
 
         def run(state, ids, cache):
             return nnx.merge(graphdef, state).prefill(ids, None, cache)

@@ -104,8 +104,7 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
          "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
          "fast-gatenorm": ("auto", "auto", "auto"), "fast-kvrow": ("auto", "auto", "auto"),
-         "fast-rows": ("auto", "auto", "auto"),
-         "reference": ("reference", "auto", "auto")}
+         "fast-rows": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
               "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),

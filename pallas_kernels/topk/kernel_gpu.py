@@ -250,9 +250,9 @@ def router_logits(x: jax.Array, weight: jax.Array, norm_weight: jax.Array, norm_
     """x bf16 [1, K] (before its RMSNorm), weight bf16 [E, K], norm_weight bf16 [K] ->
     (logits f32 [1, E], the normalised row bf16 [1, K], its `quant.act_quant_bf16` values bf16
     [1, K]): `reference.router_logits` with the norm and `quantise`, in one launch of E / block_e
-    programs of logits and one that writes the two rows. The normalised row equals `rms_norm`'s where the sum of squares rounds alike (its
-    order is one fixed tree, not XLA's); each logit sums its exact products tile by tile (a tree
-    inside a tile, tiles in K order).
+    programs of logits and one that writes the two rows. The normalised row equals `rms_norm`'s
+    where the sum of squares rounds alike (its order is one fixed tree, not XLA's); each logit sums
+    its exact products tile by tile (a tree inside a tile, tiles in K order).
 
     Raises NotImplementedError for shapes this kernel does not handle (the caller falls back)."""
     if x.ndim != 2 or x.shape[0] != 1 or weight.ndim != 2 or weight.shape[1] != x.shape[1] \
