@@ -100,14 +100,16 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
-# "fast-rows": both
+# "fast-rows": both; "fast-relaid": "fast" with the routed experts' fp4 words re-laid (`Experts.relaid`)
 PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
          "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
          "fast-gatenorm": ("auto", "auto", "auto"), "fast-kvrow": ("auto", "auto", "auto"),
-         "fast-rows": ("auto", "auto", "auto"), "reference": ("reference", "auto", "auto")}
+         "fast-rows": ("auto", "auto", "auto"), "fast-relaid": ("auto", "auto", "auto"),
+         "reference": ("reference", "auto", "auto")}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
               "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
+              "fast-relaid": ("experts_relaid",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
 
@@ -288,7 +290,8 @@ def random_model(args: ModelArgs, seed: int = 0):
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
     `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
-    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
+    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both, "fast-relaid": `Experts.relaid`,
+    which re-lays the fp4 stacks); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)

@@ -36,6 +36,7 @@ from dsv41_jax.layers import Linear, WeightDtype, apply_linear, apply_linears, l
 from dsv41_jax.numerics import cast, exact_div, in_float64
 from pallas_kernels._dispatch import resolve as _resolve_kernel
 from pallas_kernels.expert_matmul import api as expert_matmul
+from pallas_kernels.expert_matmul import kernel_gpu as expert_kernel
 from pallas_kernels.topk.api import BlockSizes as TopkBlockSizes
 from pallas_kernels.topk.api import router_logits, router_topk_scored
 
@@ -204,6 +205,11 @@ class Experts(nnx.Module):
     `one_row` (off; set on the module to try it): the gather path's pairs run as one-row programs
     without tensor cores (`expert_matmul.BlockSizes.one_row`; on an H100 a decode step 11% slower
     at batch 1 and 25% at batch 8, benchmarks/README.md).
+    `relaid` (off; setting it re-lays the fp4 weights in place, clearing it puts them back): the
+    packed words held in the layout of the kernel's "relaid" decode (`expert_matmul.kernel_gpu.relay`,
+    a bit permutation within each int32 word, same bytes), which takes fewer integer steps than
+    "pairs" for bit-identical outputs; the jnp paths (`dense`, `apply_one`) and any reference
+    fallback put the gathered weights back first.
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,
@@ -215,16 +221,37 @@ class Experts(nnx.Module):
         self.kernels, self.kernels_interpret = kernels, kernels_interpret
         self.scale_fold = scale_fold
         self.one_row = False
+        self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
         self.w3 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
+
+    @property
+    def relaid(self) -> bool:
+        """Whether the fp4 weights are held re-laid for the kernel's "relaid" decode (class docstring)."""
+        return self._relaid
+
+    @relaid.setter
+    def relaid(self, on: bool) -> None:
+        on = bool(on)
+        if on and self.dtype != "fp4":
+            raise ValueError(f"Experts.relaid: only fp4 experts have a re-laid layout, these are {self.dtype}")
+        if on != self._relaid:
+            move = jax.jit(expert_kernel.relay if on else expert_kernel.unrelay)
+            for lin in (self.w1, self.w2, self.w3):
+                lin.weight.value = move(lin.weight[...])
+            self._relaid = on
+
+    def _released(self, w: jax.Array) -> jax.Array:
+        """Packed weights read from this module, in the released layout."""
+        return expert_kernel.unrelay(w) if self._relaid else w
 
     def dense(self, e: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Expert ids e int [...] -> (w1, w3, w2) bf16 [..., out, in] of those experts, dequantised
         after the gather, so only the selected experts' packed bytes are read (exact in bf16)."""
 
         def one(lin: Linear) -> jax.Array:
-            w = jnp.take(lin.weight[...], e, axis=0)
+            w = self._released(jnp.take(lin.weight[...], e, axis=0))
             if self.dtype == "fp4":
                 return quant.dequant_fp4_weight(w, jnp.take(lin.scale[...], e, axis=0), _BF16)
             if self.dtype == "fp8":
@@ -304,7 +331,7 @@ class Experts(nnx.Module):
 
         def lin(m: Linear, h):
             s = None if m.scale is None else m.scale[...][e]
-            return apply_linear(h, m.weight[...][e], s, self.dtype)
+            return apply_linear(h, self._released(m.weight[...][e]), s, self.dtype)
 
         h = swiglu(lin(self.w1, x), lin(self.w3, x), self.swiglu_limit, weights, out_dtype=x.dtype)
         return lin(self.w2, h)
@@ -312,7 +339,8 @@ class Experts(nnx.Module):
     def block_sizes(self) -> expert_matmul.BlockSizes:
         """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
         `one_row` when set."""
-        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row)
+        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row,
+                                        decode="relaid" if self._relaid else None)
 
     def use_kernel(self) -> bool:
         """Whether the routed GEMMs go through the fp4 Pallas kernel (fp4 experts, kernels

@@ -440,6 +440,8 @@ MODULE_SWITCHES = {
                                                   "as before)")),
     "experts_one_row": (Experts, "one_row", ("the routed experts' decode gather as one-row programs without "
                                              "tensor cores (GPU kernel only)")),
+    "experts_relaid": (Experts, "relaid", ("the routed experts' fp4 words re-laid for the kernel's 'relaid' decode "
+                                           "(bit-identical outputs; the jnp paths put them back)")),
     "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "

@@ -382,6 +382,61 @@ def test_pairs_bit_logic():
         assert f"{sel:#x}" in ptx and f"r_u, {codes[j % 2][1]};" in ptx and f"r_u, {codes[j % 2][2]};" in ptx
 
 
+def test_relaid_layout_and_bit_logic():
+    """`relay` is a bit permutation of each word (`unrelay` undoes it; every bit moves once), and
+    the "relaid" PTX's integer steps (`_relaid_emulated`) on re-laid words give, for every code j,
+    the same bf16-subnormal pair as the "pairs" steps on the released words, so the same values
+    (checked against the e2m1 table by test_pairs_bit_logic); the PTX carries the emulated
+    selectors and masks."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    assert sorted(b for slot in kernel_gpu.RELAID_SLOTS for b in slot) == list(range(32))
+    rng = np.random.default_rng(1)
+    base = np.array([0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567], np.uint32)
+    a = np.concatenate([np.repeat(base, 4), rng.integers(0, 2**32, 256, dtype=np.uint64).astype(np.uint32)])
+    b = np.concatenate([np.tile(base, 4), rng.integers(0, 2**32, 256, dtype=np.uint64).astype(np.uint32)])
+    relay, unrelay = jax.jit(kernel_gpu.relay), jax.jit(kernel_gpu.unrelay)
+    packed = jnp.asarray(np.stack([a, b]).view(np.int8))  # [2, 4 * words] int8, as [N, K/2]
+    relaid = relay(packed)
+    assert relaid.shape == packed.shape and relaid.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(unrelay(relaid)), np.asarray(packed))
+    ra, rb = np.asarray(relaid).view(np.uint32)
+    # one set bit at each position moves to its slot
+    one_bits = jnp.asarray((np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.int8)[None])
+    moved = np.asarray(relay(one_bits)).view(np.uint32)[0]
+    want = [kernel_gpu.RELAID_SLOTS[i // 4][i % 4] for i in range(32)]
+    np.testing.assert_array_equal(moved, np.uint32(1) << np.asarray(want, np.uint32))
+    for j, (got, ref_bits) in enumerate(zip(kernel_gpu._relaid_emulated(ra, rb), kernel_gpu._pairs_emulated(a, b))):
+        np.testing.assert_array_equal(got, ref_bits, err_msg=f"code {j}")
+    for j, (sel, terms) in enumerate(kernel_gpu.RELAID_OPS):
+        for ptx in (kernel_gpu.RELAID_PTX[j], kernel_gpu.RELAID_PTX_FOLDED[j]):
+            assert f"{sel:#x};" in ptx and all(f"{mask:#x};" in ptx for _, mask in terms)
+            assert ptx.count("and.b32") == len(terms) and ptx.count("prmt.b32") == 1
+        assert kernel_gpu.RELAID_PTX[j].count("mul.rn.bf16x2") == 2
+        assert kernel_gpu.RELAID_PTX_FOLDED[j].count("mul.rn.bf16x2") == 1
+
+
+def test_relaid_weights_on_the_reference_path_are_put_back():
+    """Re-laid weights where the reference runs (the reference implementation, interpret mode,
+    where the PTX decodes have no twin) are put back in the released layout first: the same
+    outputs as the released weights, gather and grouped."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 256, 2)
+    e = jnp.asarray([0, 2], jnp.int32)
+    rw = jax.jit(kernel_gpu.relay)(w)
+    assert not np.array_equal(np.asarray(rw), np.asarray(w))
+    bs = api.BlockSizes(decode="relaid")
+    want = np.asarray(_ref_gather(x, w, s, e))
+    for implementation, interpret in [("reference", False), ("pallas", True)]:
+        got = _gather(x, rw, s, e, implementation=implementation, interpret=interpret, block_sizes=bs)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([0, 2], [0, 1], [1, 1]))
+    xs = jnp.pad(x, ((0, 16), (0, 0)))
+    got = _grouped(xs, rw, s, te, row0, valid, 16, implementation="reference", block_sizes=bs)
+    np.testing.assert_array_equal(np.asarray(got)[:2], want)
+
+
 def test_scale_fold_pairs_are_exact_for_bytes_up_to_128():
     """The folded "pairs" decode: each bf16-subnormal code pair (`_pairs_emulated`) times the
     folded scale `_e8m0_bf16_x2p126(b)` = 2^(b-1) is the e2m1 value times 2^(b-127) exactly (no
@@ -420,7 +475,8 @@ def test_scale_fold_pairs_are_exact_for_bytes_up_to_128():
     ("select", False, False, 16), ("subnormal", False, False, 16), ("pairs", False, False, 16),
     ("select", True, False, 16), ("subnormal", True, False, 16), ("pairs", True, False, 16),
     ("pairs", False, True, 16), ("pairs", True, True, 16),
-    ("select", False, False, 1), ("pairs", False, False, 1), ("pairs", False, True, 1)])
+    ("select", False, False, 1), ("pairs", False, False, 1), ("pairs", False, True, 1),
+    ("relaid", False, False, 16), ("relaid", False, True, 16), ("relaid", False, True, 1)])
 def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows):
     """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering);
     the "pairs" kernel carries 16 packed multiplies a word pair's codes, 8 with `scale_fold`; the
@@ -434,7 +490,8 @@ def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows):
                                                  one_dot=one_dot, scale_fold=scale_fold)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "expert_matmul_fp4" in text
-    assert text.count("mul.rn.bf16x2") == (0 if decode != "pairs" else 8 if scale_fold else 16)
+    assert text.count("mul.rn.bf16x2") == (0 if decode not in ("pairs", "relaid") else 8 if scale_fold else 16)
+    assert text.count("prmt.b32") == {"pairs": 8, "relaid": 8}.get(decode, 0)
     assert ("dot" in text) == (rows == 16), rows
 
 
@@ -480,6 +537,38 @@ def test_every_scale_byte_decodes_exactly(decode, scale_fold, one_row):
         want[:, -1] = np.nan
     want = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
     np.testing.assert_array_equal(np.asarray(out, np.float64), want)
+
+
+@needs_gpu
+@pytest.mark.parametrize(("scale_fold", "one_row", "grouped"), [
+    (True, False, False), (False, False, False), (True, True, False), (True, False, True)])
+def test_relaid_decode_matches_pairs_bit_for_bit(scale_fold, one_row, grouped):
+    """The "relaid" decode of `relay`-ed weights gives the "pairs" decode's outputs bit for bit
+    (same values, same products, same sums in the same order): released w1 width (N 2304, K
+    5120) at decode tiles, the gather path (16-row tiles or one-row programs, w1 and w3 in one
+    launch) and the grouped path; and the oracle's tolerance."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    rng = np.random.default_rng(11)
+    x, w1, s1, w1_np, s1_np = make(rng, 8, 2304, 5120, 12, (112, 128) if scale_fold else (112, 135))
+    _, w3, s3, _, _ = make(rng, 8, 2304, 5120, 1, (112, 128) if scale_fold else (112, 135))
+    ids = jnp.asarray(rng.integers(0, 8, 12), jnp.int32)
+    pairs = api.BlockSizes(scale_fold=scale_fold, one_row=one_row)
+    relaid = api.BlockSizes(scale_fold=scale_fold, one_row=one_row, decode="relaid")
+    rw = (jax.jit(kernel_gpu.relay)(w1), jax.jit(kernel_gpu.relay)(w3))
+    if grouped:
+        order, te, row0, valid = api.grouped_tiles(ids, 8, 16)
+        xs = jnp.pad(x[order], ((0, 16), (0, 0)))
+        run = lambda w, s, bs: _grouped(xs, w, s, te, row0, valid, 16, implementation="pallas", block_sizes=bs)
+        out, want = run(rw, (s1, s3), relaid), run((w1, w3), (s1, s3), pairs)
+        out = tuple(o[:12][jnp.argsort(order)] for o in out)
+        want = tuple(o[:12][jnp.argsort(order)] for o in want)
+    else:
+        out = _gather(x, rw, (s1, s3), ids, implementation="pallas", block_sizes=relaid)
+        want = _gather(x, (w1, w3), (s1, s3), ids, implementation="pallas", block_sizes=pairs)
+    for o, wnt in zip(out, want):
+        np.testing.assert_array_equal(np.asarray(o).view(np.uint16), np.asarray(wnt).view(np.uint16))
+    check_oracle(out[0], x, np_dense(w1_np, s1_np)[np.asarray(ids)])
 
 
 def test_subnormal_decode_is_wrong_where_subnormals_flush():
@@ -645,6 +734,29 @@ def test_moe_passes_scale_fold_to_the_kernel(path, monkeypatch):
         seen.clear()
         m(x, path=path)
         assert seen and set(seen) == {want}
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_moe_relaid_experts_give_the_same_outputs(kernels):
+    """`Experts.relaid` (the `experts_relaid` switch) re-lays the three fp4 stacks in place and
+    clearing it restores them bit for bit; in between both MoE paths and `apply_one` give the
+    outputs of the released layout bit for bit (the jnp paths and interpret mode put the weights
+    back; a compiled GPU kernel decodes them as "relaid", the same products in the same order)."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 19, 128)), jnp.bfloat16)
+    m = _moe(kernels)
+    before = [np.asarray(lin.weight[...]) for lin in (m.experts.w1, m.experts.w2, m.experts.w3)]
+    want = {path: np.asarray(m(x, path=path)[0]) for path in ("gather", "grouped")}
+    one = np.asarray(m.experts.apply_one(5, x[0]))
+    m.experts.relaid = True
+    assert m.experts.block_sizes().decode == "relaid"
+    assert not np.array_equal(np.asarray(m.experts.w1.weight[...]), before[0])
+    for path in ("gather", "grouped"):
+        np.testing.assert_array_equal(np.asarray(m(x, path=path)[0]), want[path], err_msg=path)
+    np.testing.assert_array_equal(np.asarray(m.experts.apply_one(5, x[0])), one)
+    m.experts.relaid = False
+    assert m.experts.block_sizes().decode is None
+    for lin, w in zip((m.experts.w1, m.experts.w2, m.experts.w3), before):
+        np.testing.assert_array_equal(np.asarray(lin.weight[...]), w)
 
 
 def test_moe_one_row_gather_matches_the_jnp_path(monkeypatch):

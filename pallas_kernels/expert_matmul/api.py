@@ -56,7 +56,11 @@ class BlockSizes:
       runs no faster at 1, 8 or 64 tokens (benchmarks/README.md, seventh run). None: "pairs" for
       compiled GPU kernels (1.3-1.6x faster than "subnormal" on the H200; exact: the compiled
       oracle tests pass), "select" in interpret mode (PTX has no CPU path; XLA on CPU flushes
-      subnormals).
+      subnormals). "relaid": the caller passes weights re-laid by `kernel_gpu.relay` (a bit
+      permutation within each int32 word) and the kernel decodes them with fewer integer steps
+      than "pairs" (same bf16 values, same products, the same sums in the same order: bit-identical
+      outputs). Where the reference runs instead (CPU, interpret mode, a shape the kernel
+      refuses) the weights are put back in the released layout first (`kernel_gpu.unrelay`).
     Defaults measured on the released w1 (N 2304, K 5120) and w2 (N 5120, K 2304) on the H200
     (device time from profiles, benchmarks/README.md, ninth run): at up to 16 rows per tile
     64-column blocks (one token, w1: 26.9 against 35.6 µs with 128 columns, 28.9 with 32; w2
@@ -196,6 +200,15 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
         return None
 
 
+def _released(w, block_sizes):
+    """w as the reference reads it: re-laid weights (decode "relaid") back in the released layout
+    (`kernel_gpu.unrelay`, a pass over the stack: the reference path of re-laid weights is for
+    shapes the kernel refuses and for checks, not for speed)."""
+    if block_sizes is None or block_sizes.decode != "relaid":
+        return w
+    return tuple(kernel_gpu.unrelay(v) for v in w) if isinstance(w, (tuple, list)) else kernel_gpu.unrelay(w)
+
+
 def _each(fn, w, s, *args):
     """fn(w, s, *args) per weight of a tuple (a tuple of results), or once."""
     if _many(w, s):
@@ -213,7 +226,7 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
     if expert.shape != (r,):
         raise ValueError(f"gather_matmul: expert must be [R={r}], got {expert.shape=}")
     if r == 0 or not gpu_kernel(implementation, interpret, "expert_matmul"):
-        return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
+        return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), _released(w, block_sizes), s)
 
     one_row = (block_sizes or BlockSizes()).one_row
 
@@ -228,7 +241,7 @@ def gather_matmul(x: jax.Array, w: jax.Array, s: jax.Array, expert: jax.Array, *
         ar, ones = np.arange(r, dtype=np.int32), np.ones((r,), np.int32)
         out = _kernel_or_none(xp, w, s, expert.astype(jnp.int32), ar, ones, rows, interpret, block_sizes)
         if out is None:
-            return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), w, s)
+            return _each(lambda w, s: _ref.gather_matmul(x, w, s, expert), _released(w, block_sizes), s)
         return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
 
     return split_batch(local, (x, expert), (True, True), "gather_matmul")
@@ -296,5 +309,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, s: jax.Array, tile_expert: jax.Ar
         out = _kernel_or_none(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile, interpret, block_sizes)
     if out is None:
         return _each(lambda w, s: _ref.grouped_matmul(x, w, s, tile_expert, tile_row0, tile_valid, rows_per_tile),
-                     w, s)
+                     _released(w, block_sizes), s)
     return out

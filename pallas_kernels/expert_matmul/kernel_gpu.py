@@ -116,14 +116,104 @@ def _pairs_emulated(a, b) -> list:
     a, b = np.asarray(a, np.uint64), np.asarray(b, np.uint64)
     out = [None] * 8
     for sel, codes in PAIRS_BYTES:
-        both = a | (b << np.uint64(32))  # prmt's source bytes 0..7
-        u = np.zeros_like(a)
-        for i in range(4):
-            src = (sel >> (4 * i)) & 7
-            u |= ((both >> np.uint64(8 * src)) & np.uint64(0xFF)) << np.uint64(8 * i)
+        u = _prmt_emulated(a, b, sel)
         for j, ms, ss in codes:
             m = ((u << np.uint64(ms)) & np.uint64(PAIRS_MAG)) | ((u << np.uint64(ss)) & np.uint64(PAIRS_SIGN))
             out[j] = m.astype(np.uint32)
+    return out
+
+
+# "relaid": the packed words' bits re-laid once (`relay`) so that each code j sits where one byte
+# permute of two words and at most three shift-and-mask steps put code j of both words in a bf16
+# pair (the "pairs" form: the value times 2^-126). RELAID_SLOTS[j]: the word bits that hold code
+# j's magnitude bits 0, 1, 2 and its sign. Codes 0-2 fill byte 0 and four bits of byte 1 (their
+# magnitudes in byte 0 at bits 6-8, 3-5, 0-2 of the 16-bit window bytes 0-1, each a left shift of
+# 0, 3, 6 from the pair's place), code 3 the other four bits of byte 1 (three shifts); codes 4-7
+# the same in bytes 2-3. Per two words: 2 byte permutes and 22 integer steps for 16 codes, against
+# 4 and 40 for "pairs" (the packed multiplies are the same).
+RELAID_SLOTS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 14, 13),
+                (22, 23, 24, 31), (19, 20, 21, 28), (16, 17, 18, 25), (26, 27, 30, 29))
+# per code j: the prmt selector (bytes 0-1 or 2-3 of word a in the low half, of word b in the high
+# half) and the (left shift, mask) terms whose OR is the pair (a negative shift is a logical right
+# shift)
+_RELAID_WINDOW = (((0, 0x81C081C0),), ((3, 0x81C081C0),), ((6, 0x81C081C0),),
+                  ((-4, 0x00C000C0), (-6, 0x01000100), (2, 0x80008000)))
+RELAID_OPS = tuple((0x5410 if j < 4 else 0x7632, _RELAID_WINDOW[j % 4]) for j in range(8))
+
+
+def relay(w: jax.Array) -> jax.Array:
+    """Packed e2m1 codes int8 [..., K/2] (released layout: code j of each 4-byte word at bits 4j..4j+3)
+    -> int8 [..., K/2] with each word's bits re-laid for the "relaid" decode (`RELAID_SLOTS`).
+    Same bytes per word, same words: a bit permutation within each int32 word."""
+    words = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
+    out = jnp.zeros_like(words)
+    for j, slot in enumerate(RELAID_SLOTS):
+        for bit, dst in enumerate(slot):
+            out = out | (((words >> (4 * j + bit)) & 1) << dst)
+    return jax.lax.bitcast_convert_type(out, jnp.int8).reshape(w.shape)
+
+
+def unrelay(w: jax.Array) -> jax.Array:
+    """The inverse of `relay`: re-laid int8 [..., K/2] -> the released layout."""
+    words = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
+    out = jnp.zeros_like(words)
+    for j, slot in enumerate(RELAID_SLOTS):
+        for bit, src in enumerate(slot):
+            out = out | (((words >> src) & 1) << (4 * j + bit))
+    return jax.lax.bitcast_convert_type(out, jnp.int8).reshape(w.shape)
+
+
+def _relaid_ptx(j: int, scale_fold: bool = False) -> str:
+    """PTX for `elementwise_inline_asm` (pack=2), as `_pairs_ptx`: $0 = code j of re-laid words $1
+    (low half) and $2 (high half) as bf16 times the scales in $3, from `RELAID_OPS[j]`."""
+    sel, terms = RELAID_OPS[j]
+    regs = ["{", ".reg .b32 r_u, r_m, r_t;"] if scale_fold else [
+        "{", ".reg .b32 r_u, r_m, r_t, r_k;", f"mov.b32 r_k, {BF16X2_2P126:#x};"]
+    lines = [*regs, f"prmt.b32 r_u, $1, $2, {sel:#x};"]
+    for i, (shift, mask) in enumerate(terms):
+        dst = "r_m" if i == 0 else "r_t"
+        src = "r_u"
+        if shift:
+            lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 {dst}, r_u, {abs(shift)};")
+            src = dst
+        lines.append(f"and.b32 {dst}, {src}, {mask:#x};")
+        if i:
+            lines.append("or.b32 r_m, r_m, r_t;")
+    if not scale_fold:
+        lines.append("mul.rn.bf16x2 r_m, r_m, r_k;")
+    return "\n".join([*lines, "mul.rn.bf16x2 $0, r_m, $3;", "}"])
+
+
+RELAID_PTX = tuple(_relaid_ptx(j) for j in range(8))
+RELAID_PTX_FOLDED = tuple(_relaid_ptx(j, scale_fold=True) for j in range(8))
+
+
+def _prmt_emulated(a, b, sel):
+    """prmt.b32 d, a, b, sel (default mode) on uint64 arrays holding uint32 words."""
+    import numpy as np
+
+    both = a | (b << np.uint64(32))  # the source bytes 0..7
+    d = np.zeros_like(a)
+    for i in range(4):
+        src = (sel >> (4 * i)) & 7
+        d |= ((both >> np.uint64(8 * src)) & np.uint64(0xFF)) << np.uint64(8 * i)
+    return d
+
+
+def _relaid_emulated(a, b) -> list:
+    """The integer part of `_relaid_ptx` in numpy terms (uint32 re-laid words a, b -> per code j
+    the uint32 bf16-subnormal pair), as `_pairs_emulated`."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.uint64), np.asarray(b, np.uint64)
+    out = []
+    for sel, terms in RELAID_OPS:
+        u = _prmt_emulated(a, b, sel)
+        r = np.zeros_like(u)
+        for shift, mask in terms:
+            v = (u << np.uint64(shift)) if shift >= 0 else (u >> np.uint64(-shift))
+            r |= v & np.uint64(mask)
+        out.append(r.astype(np.uint32))
     return out
 
 
@@ -172,8 +262,10 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         times its scale. Word c holds K columns 8c .. 8c+7, all in scale group c // 4."""
         def per_word(v):
             return jnp.broadcast_to(v[:, :, None], (block_n, ks, 4)).reshape(block_n, kw)
-        if decode == "pairs":
-            ptxs, scales = (PAIRS_PTX_FOLDED, _e8m0_bf16_x2p126) if scale_fold else (PAIRS_PTX, _e8m0_bf16)
+        if decode in ("pairs", "relaid"):
+            ptxs = {("pairs", False): PAIRS_PTX, ("pairs", True): PAIRS_PTX_FOLDED,
+                    ("relaid", False): RELAID_PTX, ("relaid", True): RELAID_PTX_FOLDED}[decode, scale_fold]
+            scales = _e8m0_bf16_x2p126 if scale_fold else _e8m0_bf16
             sw = per_word(scales(sb))
             out = jax.ShapeDtypeStruct((block_n, kw), jnp.bfloat16)
             return [plgpu.elementwise_inline_asm(ptx, args=[words, sw], constraints="=r,r,r,r", pack=2,
@@ -265,10 +357,10 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     if len(ws) != len(ss) or not ws or any(v.shape != ws[0].shape for v in ws):
         raise ValueError(f"expert_matmul: weights {[v.shape for v in ws]} and scales {len(ss)} must pair up "
                          "and share one shape")
-    if decode not in ("select", "subnormal", "pairs"):
-        raise ValueError(f"decode must be 'select', 'subnormal' or 'pairs', got {decode=}")
-    if decode == "pairs" and interpret:
-        raise NotImplementedError("the 'pairs' decode is inline PTX: no interpret mode")
+    if decode not in ("select", "subnormal", "pairs", "relaid"):
+        raise ValueError(f"decode must be 'select', 'subnormal', 'pairs' or 'relaid', got {decode=}")
+    if decode in ("pairs", "relaid") and interpret:
+        raise NotImplementedError(f"the {decode!r} decode is inline PTX: no interpret mode")
     g = len(ws)
     m, k = x.shape
     n_exp, n, k2 = ws[0].shape
@@ -301,7 +393,7 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     split = k_splits > 1
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k,
                                n_kblocks=k // block_k // k_splits, decode=decode, mask_x=mask_x, one_dot=one_dot,
-                               scale_fold=scale_fold and decode == "pairs", split=split)
+                               scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
     o_shape = (k_splits, m, n) if split else (m, n)
     out = pl.pallas_call(
