@@ -763,3 +763,23 @@ def test_launch_bytes_count_each_launchs_result_and_operands_whole():
     assert list(launch_count.bytes_by_source(_LB_HLO).items()) == [("g", (1, 20 + 2**21 + 16)), ("f", (1, 32))]
     with pytest.raises(SystemExit, match="--prefill: expected a comma-separated list"):
         launch_count.main(["--prefill", "0"])
+
+
+def test_expert_launches_tiny_rows(tmp_path):
+    """`benchmarks.expert_launches` on tiny shapes (interpret mode on the CPU): a row per site and
+    variant with the distinct experts' bytes and the launch's FLOPs; the re-laid weights give the
+    released layout's outputs (here through the reference fallback, which puts them back);
+    malformed sites are refused."""
+    from benchmarks import expert_launches
+
+    out = tmp_path / "e.json"
+    assert expert_launches.main(["--tiny", "--sites", "b1 w1+w3,b4 w2", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ['kernel routed b1 w1+w3 {}', 'kernel routed b1 w1+w3 {"decode": "relaid"}',
+                                         'kernel routed b4 w2 {}', 'kernel routed b4 w2 {"decode": "relaid"}']
+    # tiny: dim 256, inter 128; w1+w3 reads two matrices of [128, 256] codes per distinct expert
+    assert 0 < rows[0]["bytes"] <= 6 * 2 * 128 * (128 + 8) and rows[0]["flops"] == 2.0 * 6 * 128 * 256 * 2
+    assert rows[2]["flops"] == 2.0 * 4 * 6 * 256 * 128
+    assert all(r["same_as_first"] for r in rows[:2])
+    with pytest.raises(ValueError, match="site"):
+        expert_launches.parse_site("x1 w1")

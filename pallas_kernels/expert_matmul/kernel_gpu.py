@@ -34,6 +34,10 @@ Decodes (`decode`), all exact:
     about 3 integer and 1 floating operation a code against about 8 for "subnormal"; with
     `scale_fold` (every scale byte <= 128) one multiply by scale x 2^126 = 2^(b-1). GPU only
     (no interpret twin: the PTX has no CPU lowering); `_pairs_emulated` mirrors its bit logic.
+  * "relaid": "pairs" on words whose bits were re-laid once (`relay`, `RELAID_SLOTS`): one byte
+    permute serves four codes, three of them a mask and at most one shift away from their pair,
+    the fourth three shifts: 2 permutes and 22 integer steps per 16 codes against 4 and 40, the
+    same pairs bit for bit (`_relaid_emulated`). The caller passes re-laid weights.
 
 Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
 (dequantise to bf16, one dot) only in the order the fp32 products are added.
@@ -341,7 +345,8 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     permuted to match within each K block (a dot's result does not depend on the K order beyond
     fp32 summation order).
 
-    decode: "select", "subnormal" or "pairs" (module docstring). mask_x: load only the tile's
+    decode: "select", "subnormal", "pairs" or "relaid" (module docstring; "relaid" reads weights
+    re-laid by `relay`). mask_x: load only the tile's
     valid rows of x (the others read as zeros; either way they are never stored). one_dot: the 8
     decoded code positions concatenated along K ([block_n, block_k], in x's permuted column
     order) for one dot a K step, instead of 8 dots whose results are added (Pallas gives each dot
