@@ -81,8 +81,10 @@ from dsv41_jax.config import ModelArgs
 from dsv41_jax.generate import Generator, context_bucket, decode_compiler_options
 from dsv41_jax.loading import resolve_fp4_scale_fold
 from dsv41_jax.model import Transformer, replay_start, replay_width
+from dsv41_jax.moe import Experts
 from dsv41_jax.parity import set_switches
 from dsv41_jax.sampling import SamplingParams
+from pallas_kernels.expert_matmul import kernel_gpu
 
 RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
 
@@ -297,6 +299,33 @@ def with_path_flags(graphdef, state, path: str):
     model = nnx.merge(graphdef, state)
     set_switches(model, PATH_FLAGS[path])
     return nnx.split(model)
+
+
+def _relaid_graphdef(graphdef, state, flags):
+    """The graphdef of `flags` (which include "experts_relaid") with the experts marked re-laid but
+    their weights left alone (`_relay_experts` re-lays the arrays when that program runs)."""
+    model = nnx.merge(graphdef, state)
+    set_switches(model, [f for f in flags if f != "experts_relaid"])
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, Experts) and m.dtype == "fp4":
+            m._relaid = True
+    return nnx.split(model)[0]
+
+
+@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
+def _relay_donated(w, on: bool):
+    return kernel_gpu.relay(w) if on else kernel_gpu.unrelay(w)
+
+
+def _relay_experts(graphdef, state, on: bool):
+    """state with every fp4 expert stack re-laid (on) or put back, the old arrays donated (in place
+    where the backend allows), so a layout A/B holds one copy of the weights."""
+    model = nnx.merge(graphdef, state)
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, Experts) and m.dtype == "fp4":
+            for lin in (m.w1, m.w2, m.w3):
+                lin.weight.value = _relay_donated(lin.weight[...], on)
+    return nnx.split(model)[1]
 
 
 def _with_resolved_fold(graphdef, state, args: ModelArgs):
@@ -652,13 +681,17 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                 _speedup(rep, f"decode", batch, context)
 
 
-def _loop_program(graphdef, state, holder, ids, pos, context_bound, steps, options=None, start=None):
+def _loop_program(graphdef, state, holder, ids, pos, context_bound, steps, options=None, start=None, gens=None,
+                  key=None):
     """(call, tokens of its first call, seconds of that first call (compile included)):
     `Generator`'s decode program (`Generator._decode`, compiled with `options`; None: its
     defaults) running `steps` greedy steps from positions `pos` in one call. Each call takes
     holder["cache"] (donated) and leaves the new cache there; with `start` the first call runs
-    on a copy of that cache instead (so several programs can start from the same state)."""
+    on a copy of that cache instead (so several programs can start from the same state). With
+    `gens` the Generator is left at gens[key] (a caller may hand it other weight arrays)."""
     gen = Generator(nnx.merge(graphdef, state), decode_steps=steps, decode_options=options)
+    if gens is not None:
+        gens[key] = gen
     done = jnp.zeros(ids.shape, bool)
 
     def call(cache=None):
@@ -734,7 +767,11 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                 raise ValueError(f"--ab: context {context} must exceed the loop's {steps} steps + 1")
             args, _, context_bound, pb, _, by, fl = _decode_setup(tiny, batch, context, a, cache_len, bound)
             graphdef, state = random_model(args)
-            programs = {path: with_path_flags(graphdef, state, path) for path in pair}  # the same weight arrays
+            relays = "experts_relaid" in PATH_FLAGS.get(b, ()) and "experts_relaid" not in PATH_FLAGS.get(a, ())
+            if relays:  # B's weights are A's, re-laid in place between rounds (two copies may not fit)
+                programs = {a: (graphdef, state), b: (_relaid_graphdef(graphdef, state, PATH_FLAGS[b]), state)}
+            else:
+                programs = {path: with_path_flags(graphdef, state, path) for path in pair}  # the same weight arrays
             cache = seeded_cache(args, batch, context)
             ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
             pos = cache["seq_len"]
@@ -744,14 +781,28 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                 extra = {"bytes_uniform_routing": by, "unique_experts_measured": hit}
                 _, by = decode_bytes(args, pb, batch, context, hit)
             holder = {}
-            calls, first, compile_s = {}, {}, {}
+            calls, first, compile_s, gens = {}, {}, {}, {}
+            layout = {"relaid": False, "state": state}
+            del state
+
+            def use(path, layout=layout, gens=gens, graphdef=graphdef, programs=programs, relays=relays):
+                # with `relays`: the weight arrays in `path`'s layout, handed to its generator
+                if relays and layout["relaid"] != (path == b):
+                    layout["state"] = _relay_experts(graphdef, layout["state"], path == b)
+                    layout["relaid"] = path == b
+                    for gen in gens.values():
+                        gen.state = layout["state"]
+                return layout["state"] if relays else programs[path][1]
+
             for path in pair:
                 calls[path], first[path], compile_s[path] = _loop_program(
-                    *programs[path], holder, ids, pos - steps, context_bound, steps, start=cache)
-            del cache
+                    programs[path][0], use(path), holder, ids, pos - steps, context_bound, steps, start=cache,
+                    gens=gens, key=path)
+            del cache, programs
             times = {path: [] for path in pair}
             for r in range(rounds):
                 for path in (pair if r % 2 == 0 else pair[::-1]):
+                    use(path)
                     times[path].append(timeit(calls[path], iters=3 if not tiny else 1) / steps)
             diff = [tb - ta for ta, tb in zip(times[a], times[b])]
             for path in pair:
@@ -765,7 +816,7 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                         fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[path], 1),
                         tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **row)
             holder.clear()
-            del state, programs, calls
+            del layout, gens, calls
 
 
 def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, new_tokens, steps_per_call, by, fl,

@@ -721,6 +721,23 @@ def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeyp
         model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-f32"), [1], [64], 3, 2)
 
 
+def test_ab_section_relaid_swaps_one_copy_of_the_weights(tmp_path, monkeypatch):
+    """`--ab fast,fast-relaid` holds one copy of the expert stacks: re-laid in place before each B
+    round and put back before each A round (so the programs alternate as for any pair), each
+    generator handed the arrays of its layout; the two programs' tokens agree."""
+    layouts = []
+    real = model_speed._relay_experts
+    monkeypatch.setattr(model_speed, "_relay_experts", lambda g, s, on: layouts.append(on) or real(g, s, on))
+    monkeypatch.setattr(model_speed, "timeit", lambda fn, **kw: (jax.block_until_ready(fn()), 1e-3)[1])
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-relaid"), [1], [64], 3, 2)
+    a, b = rep.rows
+    assert (a["name"], b["name"]) == ("ab fast loop", "ab fast-relaid loop")
+    # B's program is built re-laid; rounds A B | B A | A B swap before A, (B stays), A, B
+    assert layouts == [True, False, True, False, True]
+    assert b["tokens_equal"] is True
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--ab", "fast"], "expected two different paths"),
     (["--ab", "fast,nope"], "expected two different paths"),
