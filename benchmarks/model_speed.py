@@ -84,7 +84,6 @@ from dsv41_jax.model import Transformer, replay_start, replay_width
 from dsv41_jax.moe import Experts
 from dsv41_jax.parity import set_switches
 from dsv41_jax.sampling import SamplingParams
-from pallas_kernels.expert_matmul import kernel_gpu
 
 RELEASED = Path(__file__).resolve().parents[1] / "tests" / "data" / "released_config.json"
 
@@ -301,31 +300,14 @@ def with_path_flags(graphdef, state, path: str):
     return nnx.split(model)
 
 
-def _relaid_graphdef(graphdef, state, flags):
-    """The graphdef of `flags` (which include "experts_relaid") with the experts marked re-laid but
-    their weights left alone (`_relay_experts` re-lays the arrays when that program runs)."""
-    model = nnx.merge(graphdef, state)
-    set_switches(model, [f for f in flags if f != "experts_relaid"])
-    for _, m in nnx.iter_graph(model):
-        if isinstance(m, Experts) and m.dtype == "fp4":
-            m._relaid = True
-    return nnx.split(model)[0]
-
-
-@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
-def _relay_donated(w, on: bool):
-    return kernel_gpu.relay(w) if on else kernel_gpu.unrelay(w)
-
-
-def _relay_experts(graphdef, state, on: bool):
-    """state with every fp4 expert stack re-laid (on) or put back, the old arrays donated (in place
-    where the backend allows), so a layout A/B holds one copy of the weights."""
+def _experts_relaid(graphdef, state, on: bool):
+    """(graphdef, state) with `Experts.relaid` = on, every fp4 stack moved in place, its old arrays
+    donated (`Experts.set_relaid`), so a layout A/B holds one copy of the weights."""
     model = nnx.merge(graphdef, state)
     for _, m in nnx.iter_graph(model):
         if isinstance(m, Experts) and m.dtype == "fp4":
-            for lin in (m.w1, m.w2, m.w3):
-                lin.weight.value = _relay_donated(lin.weight[...], on)
-    return nnx.split(model)[1]
+            m.set_relaid(on, donate=True)
+    return nnx.split(model)
 
 
 def _with_resolved_fold(graphdef, state, args: ModelArgs):
@@ -767,11 +749,9 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                 raise ValueError(f"--ab: context {context} must exceed the loop's {steps} steps + 1")
             args, _, context_bound, pb, _, by, fl = _decode_setup(tiny, batch, context, a, cache_len, bound)
             graphdef, state = random_model(args)
-            relays = "experts_relaid" in PATH_FLAGS.get(b, ()) and "experts_relaid" not in PATH_FLAGS.get(a, ())
-            if relays:  # B's weights are A's, re-laid in place between rounds (two copies may not fit)
-                programs = {a: (graphdef, state), b: (_relaid_graphdef(graphdef, state, PATH_FLAGS[b]), state)}
-            else:
-                programs = {path: with_path_flags(graphdef, state, path) for path in pair}  # the same weight arrays
+            # B only re-lays the experts' weights: one copy, moved in place between rounds (two may not fit)
+            relays = a not in PATH_FLAGS and PATH_FLAGS.get(b) == ("experts_relaid",)
+            programs = {path: (graphdef, state) if relays else with_path_flags(graphdef, state, path) for path in pair}
             cache = seeded_cache(args, batch, context)
             ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
             pos = cache["seq_len"]
@@ -785,19 +765,19 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
             layout = {"relaid": False, "state": state}
             del state
 
-            def use(path, layout=layout, gens=gens, graphdef=graphdef, programs=programs, relays=relays):
-                # with `relays`: the weight arrays in `path`'s layout, handed to its generator
+            def use(path, layout=layout, gens=gens, programs=programs, relays=relays):
+                # with `relays`: the weights moved to `path`'s layout and handed to the generators
                 if relays and layout["relaid"] != (path == b):
-                    layout["state"] = _relay_experts(graphdef, layout["state"], path == b)
-                    layout["relaid"] = path == b
+                    now = b if layout["relaid"] else a  # the graphdef of the arrays' current layout
+                    programs[path] = _experts_relaid(programs[now][0], layout["state"], path == b)
+                    layout["state"], layout["relaid"] = programs[path][1], path == b
                     for gen in gens.values():
                         gen.state = layout["state"]
-                return layout["state"] if relays else programs[path][1]
+                return programs[path]
 
             for path in pair:
                 calls[path], first[path], compile_s[path] = _loop_program(
-                    programs[path][0], use(path), holder, ids, pos - steps, context_bound, steps, start=cache,
-                    gens=gens, key=path)
+                    *use(path), holder, ids, pos - steps, context_bound, steps, start=cache, gens=gens, key=path)
             del cache, programs
             times = {path: [] for path in pair}
             for r in range(rounds):

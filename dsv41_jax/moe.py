@@ -233,11 +233,16 @@ class Experts(nnx.Module):
 
     @relaid.setter
     def relaid(self, on: bool) -> None:
+        self.set_relaid(on)
+
+    def set_relaid(self, on: bool, donate: bool = False) -> None:
+        """Sets `relaid`, moving the three stacks' bits in place when it changes; `donate` hands the
+        old arrays to the move (no second copy of the stacks; nothing else may still hold them)."""
         on = bool(on)
         if on and self.dtype != "fp4":
             raise ValueError(f"Experts.relaid: only fp4 experts have a re-laid layout, these are {self.dtype}")
         if on != self._relaid:
-            move = jax.jit(expert_kernel.relay if on else expert_kernel.unrelay)
+            move = jax.jit(expert_kernel.relay if on else expert_kernel.unrelay, donate_argnums=0 if donate else ())
             for lin in (self.w1, self.w2, self.w3):
                 lin.weight.value = move(lin.weight[...])
             self._relaid = on

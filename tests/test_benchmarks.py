@@ -726,8 +726,8 @@ def test_ab_section_relaid_swaps_one_copy_of_the_weights(tmp_path, monkeypatch):
     round and put back before each A round (so the programs alternate as for any pair), each
     generator handed the arrays of its layout; the two programs' tokens agree."""
     layouts = []
-    real = model_speed._relay_experts
-    monkeypatch.setattr(model_speed, "_relay_experts", lambda g, s, on: layouts.append(on) or real(g, s, on))
+    real = model_speed._experts_relaid
+    monkeypatch.setattr(model_speed, "_experts_relaid", lambda g, s, on: layouts.append(on) or real(g, s, on))
     monkeypatch.setattr(model_speed, "timeit", lambda fn, **kw: (jax.block_until_ready(fn()), 1e-3)[1])
     rep = model_speed.Report(tmp_path, {})
     model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-relaid"), [1], [64], 3, 2)

@@ -145,26 +145,30 @@ _RELAID_WINDOW = (((0, 0x81C081C0),), ((3, 0x81C081C0),), ((6, 0x81C081C0),),
 RELAID_OPS = tuple((0x5410 if j < 4 else 0x7632, _RELAID_WINDOW[j % 4]) for j in range(8))
 
 
+def _move_bits(w: jax.Array, moves) -> jax.Array:
+    """int8 [..., K/2] read as int32 words: bit src of each word moved to bit dst, for (src, dst) in
+    `moves` (a permutation of 0..31)."""
+    words = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
+    out = jnp.zeros_like(words)
+    for src, dst in moves:
+        out = out | (((words >> src) & 1) << dst)
+    return jax.lax.bitcast_convert_type(out, jnp.int8).reshape(w.shape)
+
+
+# (released bit, re-laid bit): bit b of code j (bits 4j..4j+3) goes to RELAID_SLOTS[j][b]
+_RELAY_MOVES = tuple((4 * j + b, dst) for j, slot in enumerate(RELAID_SLOTS) for b, dst in enumerate(slot))
+
+
 def relay(w: jax.Array) -> jax.Array:
     """Packed e2m1 codes int8 [..., K/2] (released layout: code j of each 4-byte word at bits 4j..4j+3)
     -> int8 [..., K/2] with each word's bits re-laid for the "relaid" decode (`RELAID_SLOTS`).
     Same bytes per word, same words: a bit permutation within each int32 word."""
-    words = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
-    out = jnp.zeros_like(words)
-    for j, slot in enumerate(RELAID_SLOTS):
-        for bit, dst in enumerate(slot):
-            out = out | (((words >> (4 * j + bit)) & 1) << dst)
-    return jax.lax.bitcast_convert_type(out, jnp.int8).reshape(w.shape)
+    return _move_bits(w, _RELAY_MOVES)
 
 
 def unrelay(w: jax.Array) -> jax.Array:
     """The inverse of `relay`: re-laid int8 [..., K/2] -> the released layout."""
-    words = jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
-    out = jnp.zeros_like(words)
-    for j, slot in enumerate(RELAID_SLOTS):
-        for bit, src in enumerate(slot):
-            out = out | (((words >> src) & 1) << (4 * j + bit))
-    return jax.lax.bitcast_convert_type(out, jnp.int8).reshape(w.shape)
+    return _move_bits(w, tuple((dst, src) for src, dst in _RELAY_MOVES))
 
 
 def _relaid_ptx(j: int, scale_fold: bool = False) -> str:
