@@ -79,9 +79,8 @@ from benchmarks import critical_path as cp
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.generate import Generator, context_bucket, decode_compiler_options
-from dsv41_jax.loading import resolve_fp4_scale_fold
+from dsv41_jax.loading import resolve_fp4_options, resolve_fp4_relaid
 from dsv41_jax.model import Transformer, replay_start, replay_width
-from dsv41_jax.moe import Experts
 from dsv41_jax.parity import set_switches
 from dsv41_jax.sampling import SamplingParams
 
@@ -95,30 +94,31 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
                   engram_num_embeddings=(), vision_n_layers=0)
 
 
-# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold); "auto" resolves
-# to "on" (the random scale bytes are <= 121); "fast-nofold": "fast" without the fp4 kernel's fold;
+# path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold, ModelArgs.fp4_relaid);
+# "auto" folds (the random scale bytes are <= 121) and re-lays where the compiled GPU kernel runs, as
+# the loaders do; "fast-nofold": "fast" without the fp4 kernel's fold; "fast-released": "fast" with
+# the routed experts' fp4 words as released (the kernel's "pairs" decode);
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
-# "fast-rows": both; "fast-relaid": "fast" with the routed experts' fp4 words re-laid (`Experts.relaid`)
-PATHS = {"fast": ("auto", "auto", "auto"), "fast-f32": ("auto", "f32", "auto"), "fast-nofold": ("auto", "auto", "off"),
-         "fast-onerow": ("auto", "auto", "auto"), "fast-f64k": ("auto", "auto", "auto"),
-         "fast-gatenorm": ("auto", "auto", "auto"), "fast-kvrow": ("auto", "auto", "auto"),
-         "fast-rows": ("auto", "auto", "auto"), "fast-relaid": ("auto", "auto", "auto"),
-         "reference": ("reference", "auto", "auto")}
+# "fast-rows": both
+_FAST = ("auto", "auto", "auto", "auto")
+PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", "auto"), "fast-nofold": ("auto", "auto", "off", "auto"),
+         "fast-released": ("auto", "auto", "auto", "off"), "fast-onerow": _FAST, "fast-f64k": _FAST,
+         "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
+         "reference": ("reference", "auto", "auto", "auto")}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
               "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
-              "fast-relaid": ("experts_relaid",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "auto") -> ModelArgs:
+               fp4_scale_fold: str = "auto", fp4_relaid: str = "auto") -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
     run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate,
-           "fp4_scale_fold": fp4_scale_fold}
+           "fp4_scale_fold": fp4_scale_fold, "fp4_relaid": fp4_relaid}
     if tiny:
         return ModelArgs.tiny(**_NO_EXTRAS).replace(n_layers=6, **run, **_LAYOUT)
     return ModelArgs.from_json(RELEASED, n_layers=6, **run, **_LAYOUT, **_NO_EXTRAS)
@@ -273,8 +273,9 @@ def random_model(args: ModelArgs, seed: int = 0):
     routing scores that random weights give (the normed activations are small), so every token
     would pick the experts with the largest biases (measured on the H200 at full width: 25-38
     distinct experts for 64 tokens instead of about 245), and a decode step would read far
-    fewer expert bytes than the released model's routing does. `args.fp4_scale_fold` is resolved
-    on the random weights as the loaders resolve it (`loading.resolve_fp4_scale_fold`)."""
+    fewer expert bytes than the released model's routing does. `args.fp4_scale_fold` and
+    `args.fp4_relaid` are resolved on the random weights as the loaders resolve them
+    (`loading.resolve_fp4_options`)."""
     abstract = nnx.eval_shape(lambda: Transformer(args))
     graphdef, state = nnx.split(abstract)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -285,14 +286,13 @@ def random_model(args: ModelArgs, seed: int = 0):
             out.append(jnp.zeros(leaf.shape, leaf.dtype))
         else:
             out.append(_random_leaf_jit(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)))
-    return _with_resolved_fold(graphdef, jax.tree.unflatten(treedef, out), args)
+    return _with_resolved_fp4(graphdef, jax.tree.unflatten(treedef, out), args)
 
 
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
     `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
-    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both, "fast-relaid": `Experts.relaid`,
-    which re-lays the fp4 stacks); other paths unchanged."""
+    "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)
@@ -300,21 +300,20 @@ def with_path_flags(graphdef, state, path: str):
     return nnx.split(model)
 
 
-def _experts_relaid(graphdef, state, on: bool):
-    """(graphdef, state) with `Experts.relaid` = on, every fp4 stack moved in place, its old arrays
-    donated (`Experts.set_relaid`), so a layout A/B holds one copy of the weights."""
+def _experts_layout(graphdef, state, args: ModelArgs):
+    """(graphdef, state) with the fp4 stacks in the layout `args.fp4_relaid` resolves to
+    (`loading.resolve_fp4_relaid`), moved in place (their old arrays donated on accelerators), so a
+    layout A/B holds one copy of the weights."""
     model = nnx.merge(graphdef, state)
-    for _, m in nnx.iter_graph(model):
-        if isinstance(m, Experts) and m.dtype == "fp4":
-            m.set_relaid(on, donate=True)
+    resolve_fp4_relaid(model, args)
     return nnx.split(model)
 
 
-def _with_resolved_fold(graphdef, state, args: ModelArgs):
-    """(graphdef, state) with `args.fp4_scale_fold` resolved on the weights in `state`, as the
-    loaders resolve it (`loading.resolve_fp4_scale_fold`)."""
+def _with_resolved_fp4(graphdef, state, args: ModelArgs):
+    """(graphdef, state) with `args.fp4_scale_fold` and `args.fp4_relaid` resolved on the weights
+    in `state`, as the loaders resolve them (`loading.resolve_fp4_options`)."""
     model = nnx.merge(graphdef, state)
-    resolve_fp4_scale_fold(model, args, source="the random weights")
+    resolve_fp4_options(model, args, source="the random weights")
     return nnx.split(model)
 
 
@@ -451,7 +450,7 @@ def experts_section(rep: Report, ceil: dict, args: ModelArgs, batches, seed: int
         key = jax.random.key(seed)
         st = jax.tree.unflatten(td, [_random_leaf_jit(jax.random.fold_in(key, i), tuple(l.shape), jnp.dtype(l.dtype))
                                      for i, l in enumerate(leaves)])
-        moes[path_name] = _with_resolved_fold(gd, st, a)  # the fast row: the loaders' default
+        moes[path_name] = _with_resolved_fp4(gd, st, a)  # the fast row: the loaders' defaults
     per_expert = param_bytes(args)["layers"][0]["per_expert"]
     n_exp, k = args.moe_experts(0)
     for tokens in batches:
@@ -562,6 +561,13 @@ def routed_experts(graphdef, state, ids, pos, cache, context_bound=None) -> tupl
         return {k: v for k, v in record.items() if k.startswith("route_idx.")}, cache
     got, cache = jax.jit(route, donate_argnums=(3,))(state, ids, pos, cache)
     return [len(np.unique(np.asarray(got[k]))) for k in sorted(got)], cache
+
+
+def ab_comparable(a: str, b: str) -> bool:
+    """Whether `--ab a,b` may pair the two paths: the same `PATHS` entry (they differ in module
+    switches), or entries that differ only in fp4_relaid and paths without switches (the layout
+    is moved in place between rounds)."""
+    return PATHS[a] == PATHS[b] or (PATHS[a][:3] == PATHS[b][:3] and a not in PATH_FLAGS and b not in PATH_FLAGS)
 
 
 def _decode_setup(tiny, batch, context, path, cache_len, bound):
@@ -730,7 +736,8 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                measure_routing=False):
     """Paired timing of two paths' decode loops in one process ("ab" rows): `Generator`'s program
     of `steps` greedy steps (as the "loop" rows), for paths that differ only in module switches
-    (`PATH_FLAGS`: the same `PATHS` entry), so both programs run on the same random weights and
+    (`PATH_FLAGS`) or in the experts' fp4 layout (`fp4_relaid`; one copy of the weights, moved in
+    place between rounds: two do not fit an H100), so both programs run on the same random weights and
     start from copies of one seeded cache. They are timed in `rounds` rounds, A then B in even
     rounds and B then A in odd ones, so slow drift (clocks, heat, other tenants) weighs on both;
     between machines, and between processes on one machine, the loop's time moves by 1-3%, more
@@ -740,9 +747,10 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
     (rounds where B took less) and `tokens_equal` (whether both first calls gave the same
     tokens)."""
     a, b = pair
-    if PATHS[a] != PATHS[b]:
-        raise ValueError(f"--ab {a},{b}: the paths must differ only in module switches (PATH_FLAGS); {a} runs "
-                         f"(kernels, attn_accumulate, fp4_scale_fold) = {PATHS[a]}, {b} {PATHS[b]}")
+    if not ab_comparable(a, b):
+        raise ValueError(f"--ab {a},{b}: the paths must differ only in module switches (PATH_FLAGS) or fp4_relaid; "
+                         f"{a} runs (kernels, attn_accumulate, fp4_scale_fold, fp4_relaid) = {PATHS[a]}, "
+                         f"{b} {PATHS[b]}")
     for context in contexts:
         for batch in batches:
             if context <= steps + 1:
@@ -750,7 +758,8 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
             args, _, context_bound, pb, _, by, fl = _decode_setup(tiny, batch, context, a, cache_len, bound)
             graphdef, state = random_model(args)
             # B only re-lays the experts' weights: one copy, moved in place between rounds (two may not fit)
-            relays = a not in PATH_FLAGS and PATH_FLAGS.get(b) == ("experts_relaid",)
+            relays = PATHS[a] != PATHS[b]
+            layout_args = {path: args.replace(fp4_relaid=PATHS[path][3]) for path in pair}
             programs = {path: (graphdef, state) if relays else with_path_flags(graphdef, state, path) for path in pair}
             cache = seeded_cache(args, batch, context)
             ids = jax.random.randint(jax.random.key(3), (batch,), 0, args.vocab_size)
@@ -762,15 +771,14 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                 _, by = decode_bytes(args, pb, batch, context, hit)
             holder = {}
             calls, first, compile_s, gens = {}, {}, {}, {}
-            layout = {"relaid": False, "state": state}
+            layout = {"path": a, "state": state}  # whose layout the arrays are in
             del state
 
-            def use(path, layout=layout, gens=gens, programs=programs, relays=relays):
+            def use(path, layout=layout, gens=gens, programs=programs, relays=relays, layout_args=layout_args):
                 # with `relays`: the weights moved to `path`'s layout and handed to the generators
-                if relays and layout["relaid"] != (path == b):
-                    now = b if layout["relaid"] else a  # the graphdef of the arrays' current layout
-                    programs[path] = _experts_relaid(programs[now][0], layout["state"], path == b)
-                    layout["state"], layout["relaid"] = programs[path][1], path == b
+                if relays and layout["path"] != path:
+                    programs[path] = _experts_layout(programs[layout["path"]][0], layout["state"], layout_args[path])
+                    layout["state"], layout["path"] = programs[path][1], path
                     for gen in gens.values():
                         gen.state = layout["state"]
                 return programs[path]
@@ -1267,9 +1275,10 @@ def main(argv=None) -> int:
     if ns.ab is not None:
         if len(ab) != 2 or ab[0] == ab[1] or any(v not in PATHS for v in ab):
             p.error(f"--ab: expected two different paths A,B of {', '.join(PATHS)}, got {ns.ab!r}")
-        if PATHS[ab[0]] != PATHS[ab[1]]:
+        if not ab_comparable(*ab):
             p.error(f"--ab {ns.ab}: the paths must differ only in module switches (PATH_FLAGS: "
-                    f"{', '.join(PATH_FLAGS)}, against the path they extend)")
+                    f"{', '.join(PATH_FLAGS)}, against the path they extend) or in the experts' layout "
+                    f"(fast-released against fast)")
         if ns.ab_rounds < 2:
             p.error(f"--ab-rounds must be at least 2, got {ns.ab_rounds}")
         if ns.loop_steps < 1:

@@ -211,13 +211,13 @@ def load_converted(directory: str | os.PathLike, mesh: Mesh | None = None, *, ru
     mesh: default `make_mesh(default_mesh_spec(len(jax.devices()), args))`.
     arg_overrides: runtime fields of `ModelArgs` (e.g. max_seq_len, max_batch_size);
       `engram_rows_multiple` comes from the manifest (the stored layout) and cannot be changed.
-    Returns (model, args), args with `fp4_scale_fold` resolved against the restored scales
-    (`loading.resolve_fp4_scale_fold`). Raises ConvertedCheckpointError if the directory is
+    Returns (model, args), args with `fp4_scale_fold` and `fp4_relaid` resolved on the restored
+    weights (`loading.resolve_fp4_options`). Raises ConvertedCheckpointError if the directory is
     incomplete, or its arrays do not match the model built from its config (CheckpointError for
     fp4_scale_fold="on" with a scale byte above 128).
     """
     from dsv41_jax.engram import prepare_token_map
-    from dsv41_jax.loading import resolve_fp4_scale_fold
+    from dsv41_jax.loading import resolve_fp4_options
     from dsv41_jax.model import Transformer
 
     d = Path(directory)
@@ -263,5 +263,5 @@ def load_converted(directory: str | os.PathLike, mesh: Mesh | None = None, *, ru
     abstract = [p for p, v in variables.items() if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
     if abstract:
         raise ConvertedCheckpointError(f"{d}: no value for model state {abstract[:10]} (not in the checkpoint)")
-    return model, resolve_fp4_scale_fold(model, args, source=str(d))
+    return model, resolve_fp4_options(model, args, source=str(d))
 

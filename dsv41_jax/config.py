@@ -2,7 +2,7 @@
 
 Field names equal the JSON keys. Keys absent from the JSON keep the defaults below (the runtime
 limits `max_batch_size`, `max_seq_len`, `temperature`, `gate_temp`, `norm_topk_prob`, the
-kernel choices `kernels`, `kernels_interpret`, `fp4_scale_fold`, the attention's precision
+kernel choices `kernels`, `kernels_interpret`, `fp4_scale_fold`, `fp4_relaid`, the attention's precision
 `attn_accumulate` and the Engram storage padding `engram_rows_multiple` are not in the released
 file). Per-layer facts (attention role, which source layer a reuse layer reads, RoPE base,
 Engram table) are derived here as plain Python, so jitted code can branch on them statically.
@@ -64,6 +64,12 @@ class ModelArgs:
     # a model built without a loader treats "auto" as "off". "auto" by default: 3% faster decode at
     # batch 1, 7.5% at 64 on an H200 (benchmarks/README.md, twenty-third run)
     fp4_scale_fold: str = "auto"
+    # the routed experts' packed fp4 words in HBM: "on" re-laid once at load for the fp4 kernel's
+    # "relaid" decode (a bit permutation within each int32 word, same bytes: fewer integer steps a
+    # code, bit-identical outputs; the jnp paths put gathered words back first); "off": as released;
+    # "auto": the loaders re-lay where the compiled GPU kernel runs, else keep them as released
+    # (`loading.resolve_fp4_relaid`); a model built without a loader treats "auto" as "off"
+    fp4_relaid: str = "auto"
     # storage layout: Engram table rows are padded with zero rows up to a multiple of this, so a
     # table splits evenly over the devices of its sharding rule (no hash id reaches a padded row);
     # dsv41-convert picks it for the mesh and records it in the manifest of the converted checkpoint
@@ -218,6 +224,8 @@ class ModelArgs:
             fail(f"attn_accumulate must be 'auto', 'f64' or 'f32', got {self.attn_accumulate!r}")
         if self.fp4_scale_fold not in ("off", "auto", "on"):
             fail(f"fp4_scale_fold must be 'off', 'auto' or 'on', got {self.fp4_scale_fold!r}")
+        if self.fp4_relaid not in ("off", "auto", "on"):
+            fail(f"fp4_relaid must be 'off', 'auto' or 'on', got {self.fp4_relaid!r}")
         if self.dtype not in ("fp8", "bf16"):
             fail(f"dtype must be 'fp8' or 'bf16', got {self.dtype!r}")
         if self.expert_dtype not in ("fp4", None):

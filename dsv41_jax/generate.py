@@ -521,7 +521,7 @@ def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size:
     has Engram layers; every weight loaded on the host, then placed by `Generator`: for tiny and
     test checkpoints). overrides: further runtime fields of `ModelArgs` (e.g. kernels,
     attn_accumulate)."""
-    from dsv41_jax.loading import load_hub_weights, resolve_fp4_scale_fold
+    from dsv41_jax.loading import load_hub_weights, resolve_fp4_options
     from dsv41_jax.model import Transformer
     from dsv41_jax.parity import NOT_IN_TEXT_MODEL
 
@@ -535,7 +535,7 @@ def load_for_generate(ckpt: str | os.PathLike, max_seq_len: int, max_batch_size:
         raise FileNotFoundError(f"--ckpt {d}: no model.safetensors.index.json (expected a hub-format checkpoint)")
     model = Transformer(args)
     load_hub_weights(model, d, skip=NOT_IN_TEXT_MODEL)
-    resolve_fp4_scale_fold(model, args, source=str(d))
+    resolve_fp4_options(model, args, source=str(d))
     if args.engram_layer_ids:
         from dsv41_jax.engram import prepare_token_map
 
@@ -660,6 +660,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
+    p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="auto",
+                   help="ModelArgs.fp4_relaid: the routed experts' fp4 words re-laid at load for the kernel's "
+                        "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs)")
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan per device for --mesh, --max-seq-len, --batch and exit")
     p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")
@@ -691,7 +694,8 @@ def main(argv=None) -> int:
         init_distributed(ns.distributed, coordinator=ns.coordinator, num_processes=ns.num_processes,
                          process_id=ns.process_id)
         batch = max(1, len(prompts))
-        runtime = {"kernels": ns.kernels, "attn_accumulate": ns.attn_accumulate, "fp4_scale_fold": ns.fp4_scale_fold}
+        runtime = {"kernels": ns.kernels, "attn_accumulate": ns.attn_accumulate, "fp4_scale_fold": ns.fp4_scale_fold,
+                   "fp4_relaid": ns.fp4_relaid}
         args = checkpoint_args(ns.ckpt, max_seq_len=ns.max_seq_len, max_batch_size=batch, **runtime)
         mesh = shd.make_mesh(ns.mesh or shd.default_mesh_spec(len(jax.devices()), args), args=args)
         model = load_for_generate(ns.ckpt, ns.max_seq_len, batch, mesh, **runtime)

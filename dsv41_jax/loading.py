@@ -140,7 +140,6 @@ def resolve_fp4_scale_fold(model: nnx.Module, args, source: str = "the checkpoin
     stacked scale tensor ([E, out, in/32], sharded or not), read back as two scalars.
     Raises CheckpointError for "on" when a byte is larger, naming the hub tensor and the byte.
     """
-    from dsv41_jax.config import ModelArgs
     from dsv41_jax.moe import Experts
     from pallas_kernels.expert_matmul.kernel_gpu import FOLD_MAX_BYTE
 
@@ -161,8 +160,41 @@ def resolve_fp4_scale_fold(model: nnx.Module, args, source: str = "the checkpoin
     fold = mode == "on" or (mode == "auto" and worst is not None and not too_large)
     for _, m in experts:
         m.scale_fold = fold
-    resolved = args.replace(fp4_scale_fold="on" if fold else "off")
+    return _set_args(model, args.replace(fp4_scale_fold="on" if fold else "off"))
+
+
+def _set_args(model: nnx.Module, args):
+    """Writes args to every module's `args` field; returns args."""
+    from dsv41_jax.config import ModelArgs
+
     for _, node in nnx.iter_graph(model):
         if isinstance(getattr(node, "args", None), ModelArgs):
-            node.args = resolved
-    return resolved
+            node.args = args
+    return args
+
+
+def resolve_fp4_relaid(model: nnx.Module, args):
+    """Applies `args.fp4_relaid` to a model whose weights are loaded; returns args with "auto"
+    resolved to "on" or "off" (also written to every module's `args`).
+
+    "auto" re-lays the routed experts' packed fp4 words (`Experts.set_relaid`, in place) where they
+    run the compiled GPU kernel (`Experts.use_kernel`, not in interpret mode), whose "relaid"
+    decode then reads them; "on" re-lays them anywhere (the jnp paths, interpret mode included,
+    put gathered words back first: slower, same values). The old arrays are donated on
+    accelerators, so the stacks are never held twice."""
+    from dsv41_jax.moe import Experts
+
+    experts = [m for _, m in nnx.iter_graph(model) if isinstance(m, Experts) and m.dtype == "fp4"]
+    mode = args.fp4_relaid
+    relaid = bool(experts) and (mode == "on" or (mode == "auto" and all(
+        m.use_kernel() and not m.kernels_interpret for m in experts)))
+    donate = jax.default_backend() != "cpu"
+    for m in experts:
+        m.set_relaid(relaid, donate=donate)
+    return _set_args(model, args.replace(fp4_relaid="on" if relaid else "off"))
+
+
+def resolve_fp4_options(model: nnx.Module, args, source: str = "the checkpoint"):
+    """`resolve_fp4_scale_fold` then `resolve_fp4_relaid`: the routed-expert fp4 kernel's options
+    for the loaded weights, as every loader applies them; returns args with both resolved."""
+    return resolve_fp4_relaid(model, resolve_fp4_scale_fold(model, args, source=source))

@@ -205,11 +205,12 @@ class Experts(nnx.Module):
     `one_row` (off; set on the module to try it): the gather path's pairs run as one-row programs
     without tensor cores (`expert_matmul.BlockSizes.one_row`; on an H100 a decode step 11% slower
     at batch 1 and 25% at batch 8, benchmarks/README.md).
-    `relaid` (off; setting it re-lays the fp4 weights in place, clearing it puts them back): the
-    packed words held in the layout of the kernel's "relaid" decode (`expert_matmul.kernel_gpu.relay`,
-    a bit permutation within each int32 word, same bytes), which takes fewer integer steps than
-    "pairs" for bit-identical outputs; the jnp paths (`dense`, `apply_one`) and any reference
-    fallback put the gathered weights back first.
+    `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
+    kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
+    clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
+    decode (`expert_matmul.kernel_gpu.relay`, a bit permutation within each int32 word, same
+    bytes), which takes fewer integer steps than "pairs" for bit-identical outputs; the jnp paths
+    (`dense`, `apply_one`) and any reference fallback put the gathered weights back first.
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,

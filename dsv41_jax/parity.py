@@ -30,7 +30,7 @@ from dsv41_jax.cache import init_cache
 from dsv41_jax.checkpoint import CheckpointError
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.engram import engram_hash
-from dsv41_jax.loading import load_hub_weights, resolve_fp4_scale_fold
+from dsv41_jax.loading import load_hub_weights, resolve_fp4_options
 from dsv41_jax.mhc import identity_pre_mix
 from dsv41_jax.model import Transformer
 from dsv41_jax.moe import Experts, Gate
@@ -86,7 +86,7 @@ def load_model(gs: GoldenSet, **overrides) -> Transformer:
     `overrides`: ModelArgs fields to change, e.g. kernels="reference" or max_seq_len=256."""
     model = Transformer(gs.args.replace(**overrides))
     load_hub_weights(model, gs.path, skip=NOT_IN_TEXT_MODEL)
-    resolve_fp4_scale_fold(model, model.args, source=str(gs.path))
+    resolve_fp4_options(model, model.args, source=str(gs.path))
     if model.token_map is not None:
         model.token_map.set_value(jnp.asarray(np.load(gs.path / "engram_map.npy"), jnp.int32))
     return model
@@ -440,8 +440,6 @@ MODULE_SWITCHES = {
                                                   "as before)")),
     "experts_one_row": (Experts, "one_row", ("the routed experts' decode gather as one-row programs without "
                                              "tensor cores (GPU kernel only)")),
-    "experts_relaid": (Experts, "relaid", ("the routed experts' fp4 words re-laid for the kernel's 'relaid' decode "
-                                           "(bit-identical outputs; the jnp paths put them back)")),
     "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "
@@ -462,15 +460,17 @@ def set_switches(model: nnx.Module, names) -> None:
 
 
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "auto", switches=()) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
+               fp4_scale_fold: str = "auto", fp4_relaid: str = "auto",
+               switches=()) -> tuple[dict[str, np.ndarray], list[str], set[str]]:
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
-    `kernels`, `attn_accumulate`, `fp4_scale_fold`: the ModelArgs fields; `switches`: names of
+    `kernels`, `attn_accumulate`, `fp4_scale_fold`, `fp4_relaid`: the ModelArgs fields; `switches`: names of
     `MODULE_SWITCHES` to turn on.
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
-    model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, fp4_scale_fold=fp4_scale_fold)
+    model = load_model(gs, kernels=kernels, attn_accumulate=attn_accumulate, fp4_scale_fold=fp4_scale_fold,
+                       fp4_relaid=fp4_relaid)
     set_switches(model, switches)
     port = teacher_forced_prefill(model, gs)
     expected = {k.removesuffix(".bf16") for k in gs.keys() if k.startswith("prefill.")}
@@ -519,6 +519,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
+    p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="auto",
+                   help="ModelArgs.fp4_relaid: the routed experts' fp4 words re-laid at load for the kernel's "
+                        "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs)")
     for name, (cls, attr, what) in MODULE_SWITCHES.items():
         p.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{cls.__name__}.{attr}: {what}")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
@@ -531,6 +534,7 @@ def main(argv=None) -> int:
     try:
         port, problems, expected = run_parity(gs, ns.kernels, decode=not ns.prefill_only,
                                               attn_accumulate=ns.attn_accumulate, fp4_scale_fold=ns.fp4_scale_fold,
+                                              fp4_relaid=ns.fp4_relaid,
                                               switches=[n for n in MODULE_SWITCHES if getattr(ns, n)])
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -47,17 +47,21 @@ def test_random_model_routes_tokens_across_the_experts():
     assert min(hit) >= n_exp - 1, hit  # uniform routing: 8 * (1 - (6/8)^64) = 8.0 expected
 
 
-def test_fast_paths_resolve_the_fold_as_the_loaders_do():
+def test_fast_paths_resolve_the_fold_and_layout_as_the_loaders_do():
     """Every path but `fast-nofold` keeps fp4_scale_fold's default "auto", which `random_model`
     resolves on the random e8m0 bytes (all <= 128) as a loader does: the fold is on; `fast-nofold`
-    builds the kernel without it."""
-    for path, (kernels, attn, fold) in model_speed.PATHS.items():
-        assert model_speed.bench_args(True, 1, 64, kernels, attn, fold).fp4_scale_fold == fold, path
+    builds the kernel without it. Likewise fp4_relaid: "auto" but on `fast-released` ("off"),
+    resolved by `random_model` as a loader does (here, off the compiled GPU kernel: released)."""
+    for path, (kernels, attn, fold, relaid) in model_speed.PATHS.items():
+        args = model_speed.bench_args(True, 1, 64, kernels, attn, fold, relaid)
+        assert (args.fp4_scale_fold, args.fp4_relaid) == (fold, relaid), path
+        assert relaid == ("off" if path == "fast-released" else "auto"), path
     for path, want in (("fast", True), ("fast-nofold", False)):
         args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS[path])
         model = nnx.merge(*model_speed.random_model(args))
         assert model.layers[0].ffn.experts.scale_fold is want, path
         assert model.args.fp4_scale_fold == ("on" if want else "off"), path
+        assert model.args.fp4_relaid == "off" and not model.layers[0].ffn.experts.relaid, path
 
 
 def test_flag_paths_set_every_module_of_their_class():
@@ -722,19 +726,27 @@ def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeyp
 
 
 def test_ab_section_relaid_swaps_one_copy_of_the_weights(tmp_path, monkeypatch):
-    """`--ab fast,fast-relaid` holds one copy of the expert stacks: re-laid in place before each B
-    round and put back before each A round (so the programs alternate as for any pair), each
-    generator handed the arrays of its layout; the two programs' tokens agree."""
+    """An A/B of two fp4 layouts (fast-released against a path that re-lays, `fp4_relaid` "on")
+    holds one copy of the expert stacks: moved in place to B's layout before each B round and
+    back before each A round (so the programs alternate as for any pair), each generator handed
+    the arrays of its layout; the two programs' tokens agree (the jnp paths put the words back)."""
+    monkeypatch.setitem(model_speed.PATHS, "fast-on", ("auto", "auto", "auto", "on"))
     layouts = []
-    real = model_speed._experts_relaid
-    monkeypatch.setattr(model_speed, "_experts_relaid", lambda g, s, on: layouts.append(on) or real(g, s, on))
+    real = model_speed._experts_layout
+
+    def spy(g, s, args):
+        g, s = real(g, s, args)
+        layouts.append((args.fp4_relaid, nnx.merge(g, s).layers[0].ffn.experts.relaid))
+        return g, s
+
+    monkeypatch.setattr(model_speed, "_experts_layout", spy)
     monkeypatch.setattr(model_speed, "timeit", lambda fn, **kw: (jax.block_until_ready(fn()), 1e-3)[1])
     rep = model_speed.Report(tmp_path, {})
-    model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-relaid"), [1], [64], 3, 2)
+    model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast-released", "fast-on"), [1], [64], 3, 2)
     a, b = rep.rows
-    assert (a["name"], b["name"]) == ("ab fast loop", "ab fast-relaid loop")
+    assert (a["name"], b["name"]) == ("ab fast-released loop", "ab fast-on loop")
     # B's program is built re-laid; rounds A B | B A | A B swap before A, (B stays), A, B
-    assert layouts == [True, False, True, False, True]
+    assert layouts == [("on", True), ("off", False), ("on", True), ("off", False), ("on", True)]
     assert b["tokens_equal"] is True
 
 

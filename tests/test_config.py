@@ -89,6 +89,7 @@ def _released_dict():
         ({"dtype": "fp16"}, "dtype must be 'fp8' or 'bf16'"),
         ({"attn_accumulate": "bf16"}, "attn_accumulate must be 'auto', 'f64' or 'f32', got 'bf16'"),
         ({"fp4_scale_fold": True}, "fp4_scale_fold must be 'off', 'auto' or 'on', got True"),
+        ({"fp4_relaid": "yes"}, "fp4_relaid must be 'off', 'auto' or 'on', got 'yes'"),
     ],
 )
 def test_invalid_configs_are_rejected_with_a_clear_message(change, message):

@@ -474,8 +474,9 @@ from flax import nnx
 from convert import convert_checkpoint
 from dsv41_jax import sharding as shd
 from dsv41_jax.checkpoint_io import load_converted
-from dsv41_jax.loading import module_param_paths
+from dsv41_jax.loading import module_param_paths, resolve_fp4_relaid
 from dsv41_jax.parity import GoldenSet, load_model
+from jax.sharding import NamedSharding
 gs = GoldenSet(sys.argv[1])
 args = gs.args
 prefill = nnx.jit(lambda model, ids: model(ids))
@@ -513,6 +514,12 @@ for spec, with_logits in json.loads(sys.argv[3]):
     }
     if with_logits:
         report[spec]["logits_equal"] = bool(np.array_equal(np.asarray(prefill(model, ids)), want_logits))
+        # fp4_relaid "on": the stacks re-laid in place keep their shardings and the logits
+        resolve_fp4_relaid(model, margs.replace(fp4_relaid="on"))
+        stacks = {p: v[...] for p, v in module_param_paths(model).items() if ".ffn.experts.w" in p and "weight" in p}
+        report[spec]["relaid_shardings_kept"] = all(
+            v.sharding.is_equivalent_to(NamedSharding(mesh, specs[p]), v.ndim) for p, v in stacks.items())
+        report[spec]["relaid_logits_equal"] = bool(np.array_equal(np.asarray(prefill(model, ids)), want_logits))
 print("REPORT " + json.dumps(report))
 """
 
@@ -536,15 +543,18 @@ def start_child() -> Child:
 def test_conversions_for_several_eight_device_meshes_restore_their_rule_shardings_and_give_identical_logits():
     """tiny-a's tables have 3252 and 3496 rows; 3252 is padded to 3256 so that both split 8 ways
     (every mesh of 8 devices: the rule splits tables over all axes). Logits are compared bit for
-    bit with the single-device model loaded from the hub (measured: equal on every mesh)."""
+    bit with the single-device model loaded from the hub (measured: equal on every mesh), also
+    after re-laying the routed experts' fp4 words in place (`fp4_relaid` "on"), which keeps every
+    stack's sharding."""
     status, stdout, stderr = start_child().wait(timeout=600)
     assert status == 0, stderr[-3000:]
     report = json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))[7:])
     # fp4_scale_fold "auto" resolves to "on": tiny-a's routed-expert scale bytes are all <= 128
     common = {"unequal": [], "misplaced": [], "table_rows": [3256, 3496], "table_shard": [407, 437], "n_devices": 8,
               "fp4_scale_fold": "on"}
+    logits = {"logits_equal": True, "relaid_shardings_kept": True, "relaid_logits_equal": True}
     assert report == {
-        "expert=8": {**common, "expert_shard": 1, "logits_equal": True},
+        "expert=8": {**common, "expert_shard": 1, **logits},
         "expert=4,data=2": {**common, "expert_shard": 2},
-        "data=2,expert=2,tensor=2": {**common, "expert_shard": 4, "logits_equal": True},
+        "data=2,expert=2,tensor=2": {**common, "expert_shard": 4, **logits},
     }

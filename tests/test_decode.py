@@ -477,12 +477,13 @@ def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
     golden = str(DATA / "golden" / "tiny-a")
     with pytest.raises(Stop):
         parity.main([golden, "--attn-accumulate", "f32", "--prefill-only"])
-    assert seen == {"kernels": "auto", "attn_accumulate": "f32", "fp4_scale_fold": "auto"}
+    assert seen == {"kernels": "auto", "attn_accumulate": "f32", "fp4_scale_fold": "auto", "fp4_relaid": "auto"}
     seen.clear()
     with pytest.raises(Stop):
-        parity.main([golden, "--kernels", "reference", "--fp4-scale-fold", "on", "--prefill-only"])
-    assert seen == {"kernels": "reference", "attn_accumulate": "auto", "fp4_scale_fold": "on"}
-    for bad in (["--attn-accumulate", "bf16"], ["--fp4-scale-fold", "yes"]):
+        parity.main([golden, "--kernels", "reference", "--fp4-scale-fold", "on", "--fp4-relaid", "on",
+                     "--prefill-only"])
+    assert seen == {"kernels": "reference", "attn_accumulate": "auto", "fp4_scale_fold": "on", "fp4_relaid": "on"}
+    for bad in (["--attn-accumulate", "bf16"], ["--fp4-scale-fold", "yes"], ["--fp4-relaid", "yes"]):
         with pytest.raises(SystemExit):
             parity.main([golden, *bad])
 

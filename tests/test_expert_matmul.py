@@ -759,6 +759,30 @@ def test_moe_relaid_experts_give_the_same_outputs(kernels):
         np.testing.assert_array_equal(np.asarray(lin.weight[...]), w)
 
 
+def test_fp4_relaid_is_resolved_where_the_compiled_kernel_runs(monkeypatch):
+    """`loading.resolve_fp4_relaid`: "auto" re-lays the stacks only where the compiled GPU kernel
+    runs (not the jnp path, not interpret mode), "on" anywhere, "off" puts them back; the resolved
+    value is returned and reaches the kernel options (the model's modules' args: test_generate)."""
+    from dsv41_jax.loading import resolve_fp4_relaid
+    from dsv41_jax.moe import Experts
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    for kernels in ("reference", "pallas"):  # jnp path; interpret mode on this CPU
+        m = _moe(kernels)
+        released = np.asarray(m.experts.w2.weight[...])
+        assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="auto")).fp4_relaid == "off" and not m.experts.relaid
+        assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="on")).fp4_relaid == "on"
+        assert m.experts.relaid and m.experts.block_sizes().decode == "relaid"
+        np.testing.assert_array_equal(np.asarray(m.experts.w2.weight[...]),
+                                      np.asarray(kernel_gpu.relay(jnp.asarray(released))))
+        assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="off")).fp4_relaid == "off"
+        np.testing.assert_array_equal(np.asarray(m.experts.w2.weight[...]), released)
+    m = _moe("pallas")
+    m.experts.kernels_interpret = False
+    monkeypatch.setattr(Experts, "use_kernel", lambda self: True)  # as on a GPU
+    assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="auto")).fp4_relaid == "on" and m.experts.relaid
+
+
 def test_moe_one_row_gather_matches_the_jnp_path(monkeypatch):
     """`Experts.one_row` runs the MoE's gather path (decode) as one-row kernel programs (rows=1 at
     every launch) and the grouped path as before; the gather's outputs match the jnp path as the
