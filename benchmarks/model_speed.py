@@ -96,18 +96,20 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 
 # path -> (ModelArgs.kernels, ModelArgs.attn_accumulate, ModelArgs.fp4_scale_fold, ModelArgs.fp4_relaid);
 # "auto" folds (the random scale bytes are <= 121) and re-lays where the compiled GPU kernel runs, as
-# the loaders do; "fast-nofold": "fast" without the fp4 kernel's fold; "fast-released": "fast" with
-# the routed experts' fp4 words as released (the kernel's "pairs" decode);
+# the loaders do ("fast" takes ModelArgs' defaults); "fast-nofold": "fast" without the fp4 kernel's
+# fold; "fast-released" / "fast-relaid": "fast" with the routed experts' fp4 words as released (the
+# kernel's "pairs" decode) / re-laid where the compiled GPU kernel runs (its "relaid" decode);
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
 # "fast-rows": both
-_FAST = ("auto", "auto", "auto", "auto")
-PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", "auto"), "fast-nofold": ("auto", "auto", "off", "auto"),
-         "fast-released": ("auto", "auto", "auto", "off"), "fast-onerow": _FAST, "fast-f64k": _FAST,
-         "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
-         "reference": ("reference", "auto", "auto", "auto")}
+_RELAID = ModelArgs.fp4_relaid  # the default
+_FAST = ("auto", "auto", "auto", _RELAID)
+PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
+         "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
+         "fast-onerow": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
+         "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
               "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),

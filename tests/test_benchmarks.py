@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from benchmarks import model_speed, tma_probe
+from dsv41_jax.config import ModelArgs
 from dsv41_jax.numerics import rms_norm
 
 
@@ -50,12 +51,13 @@ def test_random_model_routes_tokens_across_the_experts():
 def test_fast_paths_resolve_the_fold_and_layout_as_the_loaders_do():
     """Every path but `fast-nofold` keeps fp4_scale_fold's default "auto", which `random_model`
     resolves on the random e8m0 bytes (all <= 128) as a loader does: the fold is on; `fast-nofold`
-    builds the kernel without it. Likewise fp4_relaid: "auto" but on `fast-released` ("off"),
-    resolved by `random_model` as a loader does (here, off the compiled GPU kernel: released)."""
+    builds the kernel without it. Likewise fp4_relaid: the default but on `fast-released` ("off") and
+    `fast-relaid` ("auto"), resolved by `random_model` as a loader does (here, off the compiled GPU
+    kernel: released)."""
     for path, (kernels, attn, fold, relaid) in model_speed.PATHS.items():
         args = model_speed.bench_args(True, 1, 64, kernels, attn, fold, relaid)
         assert (args.fp4_scale_fold, args.fp4_relaid) == (fold, relaid), path
-        assert relaid == ("off" if path == "fast-released" else "auto"), path
+        assert relaid == {"fast-released": "off", "fast-relaid": "auto"}.get(path, ModelArgs.fp4_relaid), path
     for path, want in (("fast", True), ("fast-nofold", False)):
         args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS[path])
         model = nnx.merge(*model_speed.random_model(args))
