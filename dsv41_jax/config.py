@@ -68,8 +68,10 @@ class ModelArgs:
     # "relaid" decode (a bit permutation within each int32 word, same bytes: fewer integer steps a
     # code, bit-identical outputs; the jnp paths put gathered words back first); "off": as released;
     # "auto": the loaders re-lay where the compiled GPU kernel runs, else keep them as released
-    # (`loading.resolve_fp4_relaid`); a model built without a loader treats "auto" as "off"
-    fp4_relaid: str = "auto"
+    # (`loading.resolve_fp4_relaid`); a model built without a loader treats "auto" as "off".
+    # "off" by default until the golden parity and a paired decode-loop timing have run on a GPU
+    # with it (benchmarks/README.md, thirty-sixth session)
+    fp4_relaid: str = "off"
     # storage layout: Engram table rows are padded with zero rows up to a multiple of this, so a
     # table splits evenly over the devices of its sharding rule (no hash id reaches a padded row);
     # dsv41-convert picks it for the mesh and records it in the manifest of the converted checkpoint

@@ -38,8 +38,8 @@ from dsv41_jax.synthetic import write_synthetic_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "data" / "golden"
-# fp4_relaid "auto" as the loaders resolve it: re-laid only where the compiled GPU kernel runs
-RELAID = "on" if jax.default_backend() == "gpu" else "off"
+# fp4_relaid's default as the loaders resolve it ("auto": re-laid only where the compiled GPU kernel runs)
+RELAID = {"on": "on", "off": "off"}.get(ModelArgs.fp4_relaid, "on" if jax.default_backend() == "gpu" else "off")
 QUANTISED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu), np.dtype(np.int8))
 
 
