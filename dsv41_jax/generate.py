@@ -660,9 +660,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
-    p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="off",
+    p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_relaid: the routed experts' fp4 words re-laid at load for the kernel's "
-                        "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs; off by default)")
+                        "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs)")
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan per device for --mesh, --max-seq-len, --batch and exit")
     p.add_argument("--batch", type=int, default=1, help="with --plan: batch rows of the cache")

@@ -519,9 +519,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-scale-fold", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_scale_fold: the routed-expert fp4 kernel's x 2^126 folded into the scales "
                         "(auto: when every scale byte is <= 128; on: refuse a checkpoint where one is not)")
-    p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="off",
+    p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_relaid: the routed experts' fp4 words re-laid at load for the kernel's "
-                        "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs; off by default)")
+                        "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs)")
     for name, (cls, attr, what) in MODULE_SWITCHES.items():
         p.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{cls.__name__}.{attr}: {what}")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")

@@ -477,7 +477,7 @@ def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
     golden = str(DATA / "golden" / "tiny-a")
     with pytest.raises(Stop):
         parity.main([golden, "--attn-accumulate", "f32", "--prefill-only"])
-    assert seen == {"kernels": "auto", "attn_accumulate": "f32", "fp4_scale_fold": "auto", "fp4_relaid": "off"}
+    assert seen == {"kernels": "auto", "attn_accumulate": "f32", "fp4_scale_fold": "auto", "fp4_relaid": "auto"}
     seen.clear()
     with pytest.raises(Stop):
         parity.main([golden, "--kernels", "reference", "--fp4-scale-fold", "on", "--fp4-relaid", "on",

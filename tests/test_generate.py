@@ -285,7 +285,7 @@ def test_cli_passes_the_kernel_and_attention_precision_choices_to_the_model(monk
     monkeypatch.setattr(G, "load_for_generate", stub)
     argv = ["--ckpt", str(TINY), "--prompt-ids", "[[1]]", "--kernels", "reference", "--attn-accumulate", "f32"]
     assert G.main(argv) == 2 and "stub: stop" in capsys.readouterr().err
-    assert seen == {"kernels": "reference", "attn_accumulate": "f32", "fp4_scale_fold": "auto", "fp4_relaid": "off"}
+    assert seen == {"kernels": "reference", "attn_accumulate": "f32", "fp4_scale_fold": "auto", "fp4_relaid": "auto"}
     assert G.main(argv + ["--fp4-scale-fold", "off"]) == 2 and seen["fp4_scale_fold"] == "off"
     assert G.main(argv + ["--fp4-relaid", "on"]) == 2 and seen["fp4_relaid"] == "on"
     for bad in (["--attn-accumulate", "bf16"], ["--fp4-scale-fold", "yes"], ["--fp4-relaid", "yes"]):
@@ -296,13 +296,13 @@ def test_cli_passes_the_kernel_and_attention_precision_choices_to_the_model(monk
 def test_hub_loader_resolves_fp4_scale_fold_and_layout():
     """`load_for_generate` of a hub-format directory checks the routed-expert scale bytes (tiny-a's
     are all <= 128), so "auto" (the default) folds; "off" does not. It resolves the fp4 layout too:
-    "off" (the default) and "auto" off the compiled GPU kernel (here the jnp path) keep the released
+    "off" and "auto" (the default) off the compiled GPU kernel (here the jnp path) keep the released
     words, "on" re-lays."""
     for mode, want in (("off", False), ("auto", True), (None, True)):
         model = G.load_for_generate(TINY, 32, 1, **({} if mode is None else {"fp4_scale_fold": mode}))
         assert model.args.fp4_scale_fold == ("on" if want else "off")
         assert all(layer.ffn.experts.scale_fold is want for layer in model.layers)
-    for mode, want in ((None, False), ("auto", False), ("on", True)):
+    for mode, want in (("off", False), (None, False), ("on", True)):
         model = G.load_for_generate(TINY, 32, 1, kernels="reference", **({} if mode is None else {"fp4_relaid": mode}))
         assert model.args.fp4_relaid == ("on" if want else "off")
         assert all(layer.ffn.experts.relaid is want for layer in model.layers)
