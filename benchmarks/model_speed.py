@@ -1280,7 +1280,7 @@ def main(argv=None) -> int:
         if not ab_comparable(*ab):
             p.error(f"--ab {ns.ab}: the paths must differ only in module switches (PATH_FLAGS: "
                     f"{', '.join(PATH_FLAGS)}, against the path they extend) or in the experts' layout "
-                    f"(fast-released against fast)")
+                    f"(fast-released against fast-relaid)")
         if ns.ab_rounds < 2:
             p.error(f"--ab-rounds must be at least 2, got {ns.ab_rounds}")
         if ns.loop_steps < 1:
