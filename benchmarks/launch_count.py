@@ -52,6 +52,7 @@ from benchmarks import critical_path as cp
 from benchmarks import model_speed as ms
 from dsv41_jax.cache import init_cache
 from dsv41_jax.generate import context_bucket
+from dsv41_jax.loading import resolve_fp4_relaid
 from dsv41_jax.model import Transformer
 from pallas_kernels._dispatch import target_platform
 
@@ -94,17 +95,28 @@ def gpu_device(card: str):
     return topo.devices[0]
 
 
+LAYOUT_PATHS = ("fast-released", "fast-relaid")  # "fast" with the experts' fp4 words as released / re-laid
+
+
 def _abstract_model(batch: int, cache_len: int, card: str, path: str):
     """(args, graphdef, state, cache, on_card) of `model_speed`'s six-layer full-width model at
     `batch` rows and a cache of `cache_len` positions, as shapes only; `on_card(tree)` places a
-    tree of shapes on `card`. Call inside `target_platform("gpu")`. path: "fast" (kernels auto),
-    "reference" (plain jnp), or a `model_speed.PATH_FLAGS` path."""
-    if path not in ("fast", "reference", *ms.PATH_FLAGS):
-        raise ValueError(f"--paths: unknown path {path!r} (fast, reference, {', '.join(ms.PATH_FLAGS)})")
+    tree of shapes on `card`, the routed experts' fp4 layout as the loaders resolve `fp4_relaid`.
+    Call inside `target_platform("gpu")`. path: "fast" (kernels auto), "reference" (plain jnp),
+    a `model_speed.PATH_FLAGS` path, or one of the layouts (`LAYOUT_PATHS`)."""
+    known = ("fast", "reference", *LAYOUT_PATHS, *ms.PATH_FLAGS)
+    if path not in known:
+        raise ValueError(f"--paths: unknown path {path!r} ({', '.join(known)})")
     sharding = jax.sharding.SingleDeviceSharding(gpu_device(card))
     args = ms.bench_args(False, batch, cache_len, "reference" if path == "reference" else "auto",
-                         fp4_scale_fold="on")
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(args)))
+                         fp4_scale_fold="on", fp4_relaid=ms.PATHS[path][3])
+
+    def loaded():  # the fp4 layout as the loaders resolve it (re-laid where the compiled kernel runs)
+        model = Transformer(args)
+        resolve_fp4_relaid(model, args)
+        return model
+
+    graphdef, state = nnx.split(nnx.eval_shape(loaded))
     graphdef, state = ms.with_path_flags(graphdef, state, path)
     cache = jax.eval_shape(lambda: init_cache(args, batch, args.max_seq_len))
     on_card = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -210,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--contexts", default="4096")
     p.add_argument("--card", default="h100", choices=sorted(CARDS))
-    p.add_argument("--paths", default="fast", help="fast, reference, " + ", ".join(ms.PATH_FLAGS))
+    p.add_argument("--paths", default="fast", help="fast, reference, " + ", ".join((*LAYOUT_PATHS, *ms.PATH_FLAGS)))
     p.add_argument("--chain", action="store_true", help="also list the chain's launches in order")
     p.add_argument("--hlo", default=None, help="directory for the optimized HLO texts (.txt.gz)")
     p.add_argument("--json", default=None, help="write the counts to this JSON file")

@@ -663,21 +663,29 @@ def test_launch_count_describes_each_card_and_names_bad_flags(capsys):
 def test_launch_count_compiles_the_full_width_step_for_an_h100_without_one(tmp_path):
     """Where jax's CUDA plugin is installed (pyproject's `aot` extra; not in CI): the six-layer
     full-width step compiled for an H100 on this host, its chain holding the fast path's Pallas
-    kernels."""
+    kernels, and the routed experts' fp4 words re-laid as the loaders lay them for a GPU (the
+    "relaid" decode's PTX in the step, not the "pairs" decode's)."""
     import importlib.util
     import subprocess
     import sys
 
+    from pallas_kernels.expert_matmul import kernel_gpu
+
     if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         pytest.skip("jax's CUDA plugin is not installed (pyproject's aot extra)")
     out = tmp_path / "counts.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.launch_count", "--batches", "1", "--json", str(out)],
-                   check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    subprocess.run([sys.executable, "-m", "benchmarks.launch_count", "--batches", "1", "--json", str(out),
+                    "--hlo", str(tmp_path)], check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                    cwd=Path(__file__).resolve().parents[1])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["launches"] >= row["on_chain"] > 100 and sum(row["chain_by_source"].values()) == row["on_chain"]
     labels = " ".join(row["chain_by_source"])
     assert "fp8_matmul_many" in labels and "expert_matmul" in labels and "head_logits" in labels
+    (hlo,) = tmp_path.glob("decode_fast_*.txt.gz")
+    text = gzip.decompress(hlo.read_bytes()).decode()
+    relaid, pairs = (re.search(r"and\.b32 r_m, r_m, (0x[0-9a-f]+);", ptx[1]).group(1)
+                     for ptx in (kernel_gpu.RELAID_PTX_FOLDED, kernel_gpu.PAIRS_PTX_FOLDED))
+    assert relaid in text and pairs not in text
 
 
 def test_router_rows_check_the_gate_launch_against_the_reference(monkeypatch):
