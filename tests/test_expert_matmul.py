@@ -738,7 +738,7 @@ def test_moe_passes_scale_fold_to_the_kernel(path, monkeypatch):
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_moe_relaid_experts_give_the_same_outputs(kernels):
-    """`Experts.relaid` (the `experts_relaid` switch) re-lays the three fp4 stacks in place and
+    """`Experts.relaid` (set by `loading.resolve_fp4_relaid`) re-lays the three fp4 stacks in place and
     clearing it restores them bit for bit; in between both MoE paths and `apply_one` give the
     outputs of the released layout bit for bit (the jnp paths and interpret mode put the weights
     back; a compiled GPU kernel decodes them as "relaid", the same products in the same order)."""
