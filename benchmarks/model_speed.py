@@ -34,8 +34,9 @@ Sections (each row: name, batch, context, seconds, bytes, flops, fraction_of_cei
   layers    the same step as one jitted call per layer (per-layer time by role)
   --ab A,B  (beside the sections) two paths' decode loops in one process, on the same weights and
             cache, timed in --ab-rounds rounds of alternating order ("ab <path> loop": each
-            round's seconds and, on B's row, B - A per round): the A/B of a module switch, whose
-            gain can be smaller than the loop's 1-3% spread between processes (`ab_section`)
+            round's seconds and, on B's row, B - A per round): the A/B of a module switch or of
+            the experts' fp4 layout (fast-released,fast-relaid), whose gain can be smaller than
+            the loop's 1-3% spread between processes (`ab_section`)
   prefill   prefill of one prompt of S tokens (cache of S positions); its FLOPs count each
             layer at the positions it runs on (`prefill_counts`: replayed layers on a suffix)
 Bytes and FLOPs come from `count_layer` (derivation in its docstring) and the parameter shapes.
@@ -45,7 +46,10 @@ kernels="auto" (Pallas kernels on a GPU) and kernels="reference" (plain jnp) and
 speed-up; the path `fast-f32` is `fast` with `attn_accumulate="f32"` (the sparse attention in
 f32, on the Pallas kernel, instead of the float64 reference) and `fast-nofold` is `fast` with
 `fp4_scale_fold="off"` (the routed-expert kernel's x 2^126 not folded into the scales; every path
-else resolves the default "auto" on the random weights as the loaders do: on); `fast-onerow` is
+else resolves the default "auto" on the random weights as the loaders do: on); `fast-released`
+and `fast-relaid` are `fast` with the routed experts' fp4 words as released ("pairs" decode) and
+re-laid where the compiled GPU kernel runs ("relaid" decode; `fp4_relaid` "off" / "auto", which
+`fast` takes by default; an A/B of the two moves one copy in place between rounds); `fast-onerow` is
 `fast` with the routed experts' decode gather as one-row programs without tensor cores
 (`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-f64k` is `fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
