@@ -121,7 +121,7 @@ PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kerne
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
-               fp4_scale_fold: str = "auto", fp4_relaid: str = "auto") -> ModelArgs:
+               fp4_scale_fold: str = "auto", fp4_relaid: str = _RELAID) -> ModelArgs:
     """The six-layer stack at full released width (or tiny width for --tiny)."""
     run = {"max_batch_size": batch, "max_seq_len": context, "kernels": kernels, "attn_accumulate": attn_accumulate,
            "fp4_scale_fold": fp4_scale_fold, "fp4_relaid": fp4_relaid}
