@@ -195,6 +195,67 @@ class TestKernelInterpretOneRow(GatherBase):
     block_sizes = api.BlockSizes(one_row=True)
 
 
+class TestKernelInterpretStreamK(GatherBase):
+    # 7 programs share each launch's block steps evenly: runs that cross output blocks, blocks
+    # split over 2-3 programs, dead tiles of the grouped path
+    implementation = "pallas"
+    interpret = True
+    block_sizes = api.BlockSizes(stream_k=7)
+
+
+def test_stream_k_plan_counts_segments_and_pieces():
+    """`stream_k_plan` against a brute-force walk of the K steps: the one-token w1 + w3 launch
+    (216 blocks of 10 steps on 264 programs: 8-9 steps each, <= 2 blocks a program, <= 2
+    programs a block), its w2 (480 x 9 on 264: up to 3 blocks a program), more programs than
+    steps is refused (the kernel takes one a step at most)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    def brute(units, nk, programs):
+        owner = [p for p in range(programs) for _ in range((p + 1) * units * nk // programs
+                                                             - p * units * nk // programs)]
+        assert len(owner) == units * nk
+        segs = max(len({i // nk for i, o in enumerate(owner) if o == p}) for p in range(programs))
+        return segs, max(len(set(owner[u * nk:(u + 1) * nk])) for u in range(units))
+
+    for case in [(216, 10, 264), (480, 9, 264), (24, 4, 7), (6, 4, 24), (6, 4, 17), (5, 3, 5), (1, 1, 1)]:
+        assert kernel_gpu.stream_k_plan(*case) == brute(*case), case
+    with pytest.raises(ValueError, match="stream-K over 24 steps needs 1..24 programs, got 40"):
+        kernel_gpu.stream_k_plan(6, 4, 40)
+    assert kernel_gpu.stream_k_plan(216, 10, 264) == (2, 2)
+    assert kernel_gpu.stream_k_plan(480, 9, 264) == (3, 2)
+
+
+def test_stream_k_partials_cover_each_block_once_and_pad_with_negative_zero():
+    """Interpret mode, the kernel's raw fp32 partials [pieces, M, N]: every (row, column) block
+    sums to the unsplit kernel's fp32 result up to summation order, and the slots a block does
+    not use hold -0.0 (so the caller's sum over slots is exact, -0.0 sums included)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    n_exp, n, k, ids = 4, 32, 512, [3, 0, 3]
+    x, w, s, w_np, s_np = make(np.random.default_rng(5), n_exp, n, k, len(ids))
+    r = len(ids)
+    xp = jnp.pad(x, ((0, 15), (0, 0)))
+    te, row0, valid = jnp.asarray(ids, jnp.int32), jnp.arange(r, dtype=jnp.int32), jnp.ones((r,), jnp.int32)
+    kw = dict(rows=16, block_n=16, block_k=128, num_warps=4, num_stages=3, interpret=True)
+    units, nk, programs = r * n // 16, k // 128, 11  # 6 blocks of 4 steps on 11 programs
+    segments, pieces = kernel_gpu.stream_k_plan(units, nk, programs)
+    assert (segments, pieces) == (2, 3)  # runs across two blocks; blocks of 2 and 3 pieces
+    parts = np.asarray(kernel_gpu.expert_matmul(xp, w, s, te, row0, valid, stream_k=programs, **kw))[:, :r]
+    assert parts.shape == (pieces, r, n) and parts.dtype == np.float32
+    total = units * nk
+    for u in range(units):
+        t, j = divmod(u, n // 16)
+        used = len({p for p in range(programs) for i in range(p * total // programs, (p + 1) * total // programs)
+                    if i // nk == u})
+        block = parts[:, t, j * 16:(j + 1) * 16]
+        assert np.all(block[used:] == 0) and np.all(np.signbit(block[used:])), (u, used)
+        assert np.all(block[:used] != 0)
+    dense = np_dense(w_np, s_np)[np.asarray(ids)]
+    check_oracle(jnp.asarray(parts.sum(0), jnp.bfloat16), x, dense)
+    with pytest.raises(NotImplementedError, match="stream_k=5 must be 0"):
+        kernel_gpu.expert_matmul(xp, w, s, te, row0, valid, stream_k=5, k_splits=2, **kw)
+
+
 def test_one_row_gather_loads_no_padding_and_matches_tensor_core_tiles(monkeypatch):
     """Interpret mode: `one_row` runs the gather as one-row programs (rows=1 on the unpadded x),
     with the tensor-core tiles' outputs but for fp32 summation order (exact products in both)."""
@@ -507,6 +568,23 @@ def test_split_kernel_lowers_to_triton_for_cuda(rows):
                                                  scale_fold=True, k_splits=2)
     lowered = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",))
     assert lowered.out_info.shape == (2, 16, 64) and lowered.out_info.dtype == jnp.float32
+    assert "expert_matmul_fp4" in lowered.as_text()
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_stream_k_kernel_lowers_to_triton_for_cuda(rows):
+    """Stream-K lowers for CUDA: a one-axis grid of 3 programs over 2 tiles x 1 block x 4 K
+    steps whose programs store fp32 partials [pieces, M, N]."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    x, w, s, _, _ = make(np.random.default_rng(0), 3, 64, 512, 32)
+    te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2, 0], [0, 16], [rows, rows]))
+    f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=rows, block_n=64, block_k=128,
+                                                 num_warps=4, num_stages=3, interpret=False, decode="relaid",
+                                                 scale_fold=True, stream_k=3)
+    lowered = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",))
+    assert kernel_gpu.stream_k_plan(2, 4, 3) == (2, 2)
+    assert lowered.out_info.shape == (2, 32, 64) and lowered.out_info.dtype == jnp.float32
     assert "expert_matmul_fp4" in lowered.as_text()
 
 

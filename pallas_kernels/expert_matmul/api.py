@@ -121,6 +121,7 @@ class BlockSizes:
     scale_fold: bool = False
     one_row: bool = False
     k_splits: int | None = None
+    stream_k: int = 0
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 0) -> BlockSizes:
         """Tiles for `tiles` tiles of `rows` rows times [n, k] matrices (`tiles` only sets one-row
@@ -146,7 +147,7 @@ class BlockSizes:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
         return {"block_n": self.block_n, "block_k": self.block_k, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot,
-                "scale_fold": self.scale_fold, "k_splits": self.k_splits}
+                "scale_fold": self.scale_fold, "k_splits": self.k_splits, "stream_k": self.stream_k}
 
 
 def _many(w, s) -> bool:
@@ -185,7 +186,7 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
     def call(w, s):
         out = kernel_gpu.expert_matmul(x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows,
                                        interpret=interpret, **bs.kernel_args())
-        if bs.k_splits == 1:
+        if bs.k_splits == 1 and not bs.stream_k:
             return out
         return tuple(to_bf16(jnp.sum(o, axis=0)) for o in out) if isinstance(out, tuple) else to_bf16(
             jnp.sum(out, axis=0))

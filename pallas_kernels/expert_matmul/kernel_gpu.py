@@ -247,20 +247,36 @@ def _concat_k(parts: list) -> jax.Array:
     return jnp.transpose(full, (0, 4, 3, 2, 1)).reshape(bn, 8 * kw)
 
 
+def stream_k_plan(units: int, n_kblocks: int, programs: int) -> tuple[int, int]:
+    """A static even split of `units` output blocks x `n_kblocks` K blocks over `programs`
+    programs (program p walks the global K steps [p*S//P, (p+1)*S//P), S = units * n_kblocks,
+    in unit-major order; 1 <= programs <= S, so none is empty) -> (segments: the most units one
+    program touches, pieces: the most programs one unit is split over)."""
+    total = units * n_kblocks
+    if not 1 <= programs <= total:
+        raise ValueError(f"stream-K over {total} steps needs 1..{total} programs, got {programs}")
+    bounds = [p * total // programs for p in range(programs + 1)]
+    segments = max((hi - 1) // n_kblocks - lo // n_kblocks + 1 for lo, hi in zip(bounds, bounds[1:]))
+    first = [None] * units  # the program that starts each unit's K range
+    last = [0] * units
+    for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        for u in range(lo // n_kblocks, (hi - 1) // n_kblocks + 1):
+            first[u] = p if first[u] is None else first[u]
+            last[u] = p
+    return segments, max(b - a + 1 for a, b in zip(first, last))
+
+
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
-            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool, split: bool):
+            n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool, split: bool,
+            stream_k: tuple[int, int, int, int] | None = None):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
     # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16, or [k_splits, M, N] fp32 when split
     # (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n) of each, K blocks
-    # [ks * n_kblocks, (ks + 1) * n_kblocks) when split)
+    # [ks * n_kblocks, (ks + 1) * n_kblocks) when split). stream_k = (programs, units per tile,
+    # segments, pieces): a one-axis grid of even K-step ranges (`stream_k_plan`), o_ref
+    # [pieces, M, N] fp32, a unit's piece i from the i-th program that works on it.
     w_refs, s_refs, o_refs = refs[:g], refs[g:2 * g], refs[2 * g:]
-    t = pl.program_id(0)
-    n0 = pl.program_id(1) * block_n
-    ks_id = pl.program_id(2)
-    e = te_ref[t]
-    row0 = row0_ref[t]
-    valid = valid_ref[t]
     kw, ks = block_k // 8, block_k // 32
     dims = (((1,), (1,)), ((), ()))
     one_row = rows == 1
@@ -282,19 +298,20 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         return [((_e2m1_subnormal_f32(words, j) if decode == "subnormal" else _e2m1_f32((words >> (4 * j)) & 0xF))
                  * sf).astype(jnp.bfloat16) for j in range(8)]
 
-    def x_cols(c0, width):
-        """x columns [c0, c0 + width) of the tile's rows: [rows, width] bf16; with `mask_x` rows
-        past `valid` are not read (zeros: they belong to other tiles and are never stored)."""
-        ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, width)]
-        if not mask_x or one_row:  # (one row: the program runs only for a valid row)
-            return ref[...]
-        r = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)
-        return plgpu.load(ref, mask=r < valid, other=0.0)
+    def k_loop(e, row0, valid, n0, lo, hi, offset=0):
+        """The tile's fp32 sums over K blocks [offset + lo, offset + hi): g accumulators
+        [rows, bn] (one row: [1, bn])."""
+        def x_cols(c0, width):
+            """x columns [c0, c0 + width) of the tile's rows: [rows, width] bf16; with `mask_x` rows
+            past `valid` are not read (zeros: they belong to other tiles and are never stored)."""
+            ref = x_ref.at[pl.ds(row0, rows), pl.ds(c0, width)]
+            if not mask_x or one_row:  # (one row: the program runs only for a valid row)
+                return ref[...]
+            r = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0)
+            return plgpu.load(ref, mask=r < valid, other=0.0)
 
-    @pl.when(valid > 0)
-    def _():
         def body(step, accs):
-            jb = ks_id * n_kblocks + step
+            jb = offset + step
             if one_dot:  # the step's x columns at once: code j of word c is column j*kw + c
                 xb = x_cols(jb * block_k, block_k)
             else:  # code j of every word: x columns j*kw + c
@@ -318,26 +335,71 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
             return tuple(new)
 
         zero = jnp.zeros((block_n, kw) if one_row else (rows, block_n), jnp.float32)
-        accs = jax.lax.fori_loop(0, n_kblocks, body, (zero,) * g)
+        accs = jax.lax.fori_loop(lo, hi, body, (zero,) * g)
         if one_row:  # each column's kw running sums, added once after the K loop
             accs = tuple(jnp.sum(acc, axis=1)[None, :] for acc in accs)
-        r = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
+        return accs
+
+    def store(o_ref, acc, row0, valid, n0, slot=None):
+        r = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
         cols = pl.ds(n0, block_n)
-        for o_ref, acc in zip(o_refs, accs):
-            if split:
-                plgpu.store(o_ref.at[ks_id, pl.ds(row0, rows), cols], acc, mask=r < valid)
-            else:
-                plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
+        if slot is None:
+            plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
+        else:
+            plgpu.store(o_ref.at[slot, pl.ds(row0, rows), cols], acc, mask=r < valid)
+
+    if stream_k is None:
+        t = pl.program_id(0)
+        n0 = pl.program_id(1) * block_n
+        ks_id = pl.program_id(2)
+        e, row0, valid = te_ref[t], row0_ref[t], valid_ref[t]
+
+        @pl.when(valid > 0)
+        def _():
+            accs = k_loop(e, row0, valid, n0, 0, n_kblocks, offset=ks_id * n_kblocks)
+            for o_ref, acc in zip(o_refs, accs):
+                store(o_ref, acc, row0, valid, n0, ks_id if split else None)
+        return
+
+    programs, n_blocks, segments, pieces = stream_k
+    total = te_ref.shape[0] * n_blocks * n_kblocks
+    p = pl.program_id(0)
+    start, end = p * total // programs, (p + 1) * total // programs
+    for i in range(segments):  # the units this program's K steps fall in, in order
+        u = start // n_kblocks + i
+        lo = jnp.maximum(start - u * n_kblocks, 0)
+        hi = jnp.minimum(end - u * n_kblocks, n_kblocks)
+        t, n0 = u // n_blocks, (u % n_blocks) * block_n
+        # this piece's index: programs before p that work on unit u (the first starts at u's step 0)
+        piece = p - ((u * n_kblocks + 1) * programs + total - 1) // total + 1
+
+        @pl.when((hi > lo) & (valid_ref[jnp.minimum(t, te_ref.shape[0] - 1)] > 0))
+        def _():
+            e, row0, valid = te_ref[t], row0_ref[t], valid_ref[t]
+            accs = k_loop(e, row0, valid, n0, lo, hi)
+            for o_ref, acc in zip(o_refs, accs):
+                store(o_ref, acc, row0, valid, n0, piece)
+                # the unit's last piece fills its unused slots with -0.0 (x + -0.0 == x, so the
+                # caller's sum over all slots is the sum of the pieces)
+                for extra in range(1, pieces):
+                    @pl.when((hi == n_kblocks) & (piece + extra < pieces))
+                    def _():
+                        store(o_ref, jnp.full(acc.shape, -0.0, jnp.float32), row0, valid, n0, piece + extra)
 
 
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
                   num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False,
-                  one_dot: bool = False, scale_fold: bool = False, k_splits: int = 1):
+                  one_dot: bool = False, scale_fold: bool = False, k_splits: int = 1, stream_k: int = 0):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N], or with k_splits > 1 fp32 partial sums [k_splits, M, N]
     (program (t, j, ks) sums the ks-th of k_splits equal runs of K blocks; the caller adds the
     partials in split order). Rows no tile covers are left unwritten (undefined).
+
+    stream_k > 0: that many programs (at most one a step) share the launch's T x N/block_n x K/block_k block steps
+    evenly (`stream_k_plan`; a program's run can span the end of one output block's K range and
+    the start of the next) and the result is fp32 partials [pieces, M, N] in K order, a block's
+    unused slots -0.0, which the caller adds and rounds once as for K splits.
 
     w and s may also be tuples of G such matrices (the same shape: an expert's w1 and w3): then
     one launch computes all G products of the same rows, each program loading its x columns once
@@ -386,7 +448,13 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
         raise NotImplementedError(f"block_k must be a power of 2 >= 128 dividing {k=}, got {block_k=}")
     if k_splits < 1 or (k // block_k) % k_splits:
         raise NotImplementedError(f"k_splits={k_splits} must divide the {k // block_k} K blocks")
-    if max(n_exp * n * (k // 8), m * max(k, n * k_splits)) >= 2**31:
+    if stream_k < 0 or (stream_k and k_splits != 1):
+        raise NotImplementedError(f"stream_k={stream_k} must be 0 (off) or a program count, with k_splits=1")
+    t = tile_expert.shape[0]
+    programs = min(stream_k, t * (n // block_n) * (k // block_k))  # none without a K step
+    plan = (programs, n // block_n) + stream_k_plan(t * (n // block_n), k // block_k, programs) if stream_k else None
+    slots = plan[3] if plan else k_splits  # fp32 partial sums a row and column, or 1 (bf16 out)
+    if max(n_exp * n * (k // 8), m * max(k, n * slots)) >= 2**31:
         raise NotImplementedError(f"operands too large for int32 element offsets ({ws[0].shape=}, {x.shape=})")
     smem = num_stages * (rows * block_k * 2 + g * (block_n * block_k // 2 + block_n * block_k // 32))
     if smem > SMEM_LIMIT:
@@ -398,17 +466,17 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     kw = block_k // 8
     # within each K block, column 8c + j moves to j * kw + c (code j of word c)
     xp = x.reshape(m, k // block_k, kw, 8).transpose(0, 1, 3, 2).reshape(m, k)
-    t = tile_expert.shape[0]
-    split = k_splits > 1
+    grid = (programs, 1, 1) if plan else (t, n // block_n, k_splits)
+    split = k_splits > 1 or plan is not None
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k,
                                n_kblocks=k // block_k // k_splits, decode=decode, mask_x=mask_x, one_dot=one_dot,
-                               scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split)
+                               scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split, stream_k=plan)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
-    o_shape = (k_splits, m, n) if split else (m, n)
+    o_shape = (slots, m, n) if split else (m, n)
     out = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct(o_shape, jnp.float32 if split else jnp.bfloat16) for _ in range(g)),
-        grid=(t, n // block_n, k_splits),
+        grid=grid,
         in_specs=[whole((t,)), whole((t,)), whole((t,)), whole((m, k))] + [whole((n_exp, n, k // 8))] * g
         + [whole((n_exp, n, k // 32))] * g,
         out_specs=tuple(whole(o_shape) for _ in range(g)),
