@@ -236,7 +236,7 @@ def test_stream_k_partials_cover_each_block_once_and_pad_with_negative_zero():
     r = len(ids)
     xp = jnp.pad(x, ((0, 15), (0, 0)))
     te, row0, valid = jnp.asarray(ids, jnp.int32), jnp.arange(r, dtype=jnp.int32), jnp.ones((r,), jnp.int32)
-    kw = dict(rows=16, block_n=16, block_k=128, num_warps=4, num_stages=3, interpret=True)
+    kw = {"rows": 16, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3, "interpret": True}
     units, nk, programs = r * n // 16, k // 128, 11  # 6 blocks of 4 steps on 11 programs
     segments, pieces = kernel_gpu.stream_k_plan(units, nk, programs)
     assert (segments, pieces) == (2, 3)  # runs across two blocks; blocks of 2 and 3 pieces

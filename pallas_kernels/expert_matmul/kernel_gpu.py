@@ -47,6 +47,7 @@ Scales: byte 0 is 2^-127 (an fp32 subnormal) and 0xff NaN, as `quant.e8m0_to_f32
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -256,10 +257,10 @@ def stream_k_plan(units: int, n_kblocks: int, programs: int) -> tuple[int, int]:
     if not 1 <= programs <= total:
         raise ValueError(f"stream-K over {total} steps needs 1..{total} programs, got {programs}")
     bounds = [p * total // programs for p in range(programs + 1)]
-    segments = max((hi - 1) // n_kblocks - lo // n_kblocks + 1 for lo, hi in zip(bounds, bounds[1:]))
+    segments = max((hi - 1) // n_kblocks - lo // n_kblocks + 1 for lo, hi in itertools.pairwise(bounds))
     first = [None] * units  # the program that starts each unit's K range
     last = [0] * units
-    for p, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+    for p, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         for u in range(lo // n_kblocks, (hi - 1) // n_kblocks + 1):
             first[u] = p if first[u] is None else first[u]
             last[u] = p
@@ -365,7 +366,9 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
     total = te_ref.shape[0] * n_blocks * n_kblocks
     p = pl.program_id(0)
     start, end = p * total // programs, (p + 1) * total // programs
-    for i in range(segments):  # the units this program's K steps fall in, in order
+
+    def segment(i):
+        """This program's steps in the i-th unit its run touches (none past the run's end)."""
         u = start // n_kblocks + i
         lo = jnp.maximum(start - u * n_kblocks, 0)
         hi = jnp.minimum(end - u * n_kblocks, n_kblocks)
@@ -379,12 +382,17 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
             accs = k_loop(e, row0, valid, n0, lo, hi)
             for o_ref, acc in zip(o_refs, accs):
                 store(o_ref, acc, row0, valid, n0, piece)
-                # the unit's last piece fills its unused slots with -0.0 (x + -0.0 == x, so the
-                # caller's sum over all slots is the sum of the pieces)
-                for extra in range(1, pieces):
-                    @pl.when((hi == n_kblocks) & (piece + extra < pieces))
-                    def _():
-                        store(o_ref, jnp.full(acc.shape, -0.0, jnp.float32), row0, valid, n0, piece + extra)
+            # the unit's last piece fills its unused slots with -0.0 (x + -0.0 == x, so the
+            # caller's sum over all slots is the sum of the pieces)
+            negative_zero = jnp.full(accs[0].shape, -0.0, jnp.float32)
+            for extra in range(1, pieces):
+                @pl.when((hi == n_kblocks) & (piece + extra < pieces))
+                def _(slot=piece + extra):
+                    for o_ref in o_refs:
+                        store(o_ref, negative_zero, row0, valid, n0, slot)
+
+    for i in range(segments):  # the units this program's K steps fall in, in order
+        segment(i)
 
 
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
