@@ -51,7 +51,9 @@ and `fast-relaid` are `fast` with the routed experts' fp4 words as released ("pa
 re-laid where the compiled GPU kernel runs ("relaid" decode; `fp4_relaid` "off" / "auto", which
 `fast` takes by default; an A/B of the two moves one copy in place between rounds); `fast-onerow` is
 `fast` with the routed experts' decode gather as one-row programs without tensor cores
-(`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-f64k` is `fast` with the float64
+(`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-streamk` is `fast` with the routed
+experts' launches of under two waves split evenly over the SMs (`Experts.stream_k`,
+`expert_matmul.BlockSizes.stream_k`); `fast-f64k` is `fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
@@ -104,6 +106,7 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # fold; "fast-released" / "fast-relaid": "fast" with the routed experts' fp4 words as released (the
 # kernel's "pairs" decode) / re-laid where the compiled GPU kernel runs (its "relaid" decode);
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
+# "fast-streamk": "fast" with the routed experts' small launches split stream-K (`Experts.stream_k`);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
@@ -112,11 +115,12 @@ _RELAID = ModelArgs.fp4_relaid  # the default
 _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
-         "fast-onerow": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
+         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST,
+         "fast-rows": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it turns on
-PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-f64k": ("attn_f64_kernel",),
-              "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
+PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
+              "fast-f64k": ("attn_f64_kernel",), "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
 
@@ -297,7 +301,7 @@ def random_model(args: ModelArgs, seed: int = 0):
 
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
-    `Experts.one_row`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
+    `Experts.one_row`, "fast-streamk": `Experts.stream_k`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
     "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
@@ -1219,8 +1223,9 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="ceilings,experts,decode,prefill")
     p.add_argument("--paths", default="fast,reference",
                    help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-nofold (fp4_scale_fold=off), "
-                        "fast-onerow (one-row expert gather), fast-f64k (float64 attention kernel), "
-                        "reference (plain jnp)")
+                        "fast-released / fast-relaid (fp4_relaid off / auto), fast-onerow (one-row expert gather), "
+                        "fast-streamk (stream-K expert launches), fast-f64k (float64 attention kernel), "
+                        "fast-gatenorm, fast-kvrow, fast-rows (module switches), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")

@@ -205,6 +205,9 @@ class Experts(nnx.Module):
     `one_row` (off; set on the module to try it): the gather path's pairs run as one-row programs
     without tensor cores (`expert_matmul.BlockSizes.one_row`; on an H100 a decode step 11% slower
     at batch 1 and 25% at batch 8, benchmarks/README.md).
+    `stream_k` (off; set on the module to try it): the kernel's launches of under two waves (the
+    one-token decode's) split their block steps evenly over `expert_matmul.TARGET_PROGRAMS` programs
+    (`expert_matmul.BlockSizes.stream_k`; fp32 sums in another order).
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -222,6 +225,7 @@ class Experts(nnx.Module):
         self.kernels, self.kernels_interpret = kernels, kernels_interpret
         self.scale_fold = scale_fold
         self.one_row = False
+        self.stream_k = False
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -344,9 +348,10 @@ class Experts(nnx.Module):
 
     def block_sizes(self) -> expert_matmul.BlockSizes:
         """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
-        `one_row` when set."""
+        `one_row` and `stream_k` when set."""
         return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row,
-                                        decode="relaid" if self._relaid else None)
+                                        decode="relaid" if self._relaid else None,
+                                        stream_k=expert_matmul.TARGET_PROGRAMS if self.stream_k else 0)
 
     def use_kernel(self) -> bool:
         """Whether the routed GEMMs go through the fp4 Pallas kernel (fp4 experts, kernels

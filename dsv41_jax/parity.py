@@ -440,6 +440,9 @@ MODULE_SWITCHES = {
                                                   "as before)")),
     "experts_one_row": (Experts, "one_row", ("the routed experts' decode gather as one-row programs without "
                                              "tensor cores (GPU kernel only)")),
+    "experts_stream_k": (Experts, "stream_k", ("the routed experts' launches of under two waves (the one-token "
+                                               "decode's) as an even stream-K split over the SMs (GPU kernel "
+                                               "only)")),
     "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "

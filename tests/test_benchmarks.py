@@ -67,16 +67,21 @@ def test_fast_paths_resolve_the_fold_and_layout_as_the_loaders_do():
 
 
 def test_flag_paths_set_every_module_of_their_class():
-    """`fast-onerow` and `fast-f64k` are `fast` (same ModelArgs) with `one_row` on every Experts
-    module / `f64_kernel` on every Attention module, which their kernel options carry; `fast`
-    leaves both off."""
+    """`fast-onerow`, `fast-streamk` and `fast-f64k` are `fast` (same ModelArgs) with `one_row` /
+    `stream_k` on every Experts module / `f64_kernel` on every Attention module, which their kernel
+    options carry; `fast` leaves them off."""
     assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast-f64k"] == model_speed.PATHS["fast"]
+    assert model_speed.PATHS["fast-streamk"] == model_speed.PATHS["fast"]
     args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
     graphdef, state = model_speed.random_model(args)
     plain = nnx.merge(graphdef, state)
     one = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onerow"))
     f64k = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-f64k"))
+    sk = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-streamk"))
     for i in range(args.n_layers):
+        assert plain.layers[i].ffn.experts.block_sizes().stream_k == 0
+        assert sk.layers[i].ffn.experts.block_sizes().stream_k == 264
+        assert sk.layers[i].ffn.experts.block_sizes().one_row is False
         assert plain.layers[i].ffn.experts.block_sizes().one_row is False
         assert one.layers[i].ffn.experts.block_sizes().one_row is True
         assert one.layers[i].ffn.experts.block_sizes().scale_fold is plain.layers[i].ffn.experts.scale_fold is True

@@ -203,6 +203,19 @@ class TestKernelInterpretStreamK(GatherBase):
     block_sizes = api.BlockSizes(stream_k=7)
 
 
+def test_stream_k_applies_to_launches_of_under_two_waves():
+    """`stream_k` stays on where the launch has fewer output blocks than twice its programs:
+    the one-token w1 + w3 (6 pairs x 36 blocks = 216) and w2 (6 x 80 = 480) at 264 programs,
+    not eight tokens (48 pairs, 1728 blocks), not with K splits; off by default."""
+    sk = api.BlockSizes(stream_k=264)
+    assert sk.resolved(16, 2304, 5120, tiles=6).stream_k == 264
+    assert sk.resolved(16, 5120, 2304, tiles=6).stream_k == 264
+    assert sk.resolved(16, 2304, 5120, tiles=48).stream_k == 0
+    assert api.BlockSizes(stream_k=264, k_splits=2).resolved(16, 2304, 5120, tiles=6).stream_k == 0
+    assert api.BlockSizes().resolved(16, 2304, 5120, tiles=6).stream_k == 0
+    assert sk.resolved(16, 2304, 5120).stream_k == 0  # tiles unknown
+
+
 def test_stream_k_plan_counts_segments_and_pieces():
     """`stream_k_plan` against a brute-force walk of the K steps: the one-token w1 + w3 launch
     (216 blocks of 10 steps on 264 programs: 8-9 steps each, <= 2 blocks a program, <= 2
@@ -880,3 +893,21 @@ def test_moe_one_row_gather_matches_the_jnp_path(monkeypatch):
     seen.clear()
     m_k(x, path="grouped")
     assert seen and 1 not in seen
+
+
+def test_moe_stream_k_switch_reaches_the_gather_launches(monkeypatch):
+    """`Experts.stream_k` hands the gather path's launches `expert_matmul.TARGET_PROGRAMS`
+    stream-K programs (a one-token decode's launches are under two waves), and the MoE's outputs
+    match the jnp path as the default tiles' do."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 1, 128)), jnp.bfloat16)
+    m_ref, m_k = _moe("reference"), _moe("pallas")
+    m_k.experts.stream_k = True
+    seen, real = [], kernel_gpu.expert_matmul
+    monkeypatch.setattr(kernel_gpu, "expert_matmul", lambda *a, **k: seen.append(k["stream_k"]) or real(*a, **k))
+    a, _ = m_ref(x, path="gather")
+    b, _ = m_k(x, path="gather")
+    assert seen and set(seen) == {api.TARGET_PROGRAMS}
+    d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2

@@ -96,6 +96,14 @@ class BlockSizes:
       1 for tensor-core tiles; for one-row programs the dense fp8 kernel's rule
       (`fp8_matmul.api.split_for_waves`: the fewest splits giving >= 264 programs whose waves
       are >= 70% full; 2 for the one-token w1 + w3, 1 for its w2 of 480 programs).
+    stream_k: programs (0: off) that share a launch's tile x column-block x K-block steps evenly
+      (`kernel_gpu.stream_k_plan`; a program's run can end inside one output block and go on into
+      the next), for launches of under two waves whose waves leave SMs idle: the one-token decode's
+      w1 + w3 is 216 programs on 132 SMs of two programs each, so 48 SMs hold one. Each piece of an
+      output block is an fp32 partial, added in K order and rounded to bf16 once by a small XLA
+      reduction after the launch (same products, fp32 sums in another order). Applied only where
+      the launch has fewer output blocks than 2 x stream_k (else 0: its waves are full enough);
+      with K splits it is off.
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
@@ -140,8 +148,9 @@ class BlockSizes:
             if rows == 1 and tiles:
                 k_splits = split_for_waves(tiles * (n // block_n), max(k // block_k, 1), TARGET_PROGRAMS,
                                            MIN_WAVE_FILL)
+        stream_k = self.stream_k if k_splits == 1 and 0 < tiles * (n // block_n) < 2 * self.stream_k else 0
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
-                                   fuse=fuse, one_dot=self.one_dot and rows > 1, k_splits=k_splits)
+                                   fuse=fuse, one_dot=self.one_dot and rows > 1, k_splits=k_splits, stream_k=stream_k)
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
