@@ -405,6 +405,12 @@ class TestKernelGPUOneRowSplit(TestKernelGPU):
 
 
 @needs_gpu
+class TestKernelGPUStreamK(TestKernelGPU):
+    # 7 programs over each launch's block steps (compiled: pipelined K loops of dynamic bounds)
+    block_sizes = api.BlockSizes(stream_k=7)
+
+
+@needs_gpu
 class TestKernelGPUScaleFold(TestKernelGPU):
     # x 2^126 folded into the scales: valid for bytes <= 128 only (the loaders check); 96..128
     # puts the largest foldable byte in every case
