@@ -24,6 +24,13 @@ K splits (`k_splits` > 1): a third grid axis; program (t, j, ks) walks the ks-th
 equal runs of K blocks and stores its fp32 sums, unrounded, to partials [k_splits, M, N] that the
 caller adds in split order and rounds once (more programs for launches of under two waves).
 
+Stream-K (`stream_k` programs): a one-axis grid; program p walks the global steps
+[p*S/P, (p+1)*S/P) of the launch's S = tiles x column blocks x K blocks in block-major order, one
+K loop per output block its run touches, and stores each piece as an fp32 partial (slot i: the
+block's i-th program); the program that ends a block writes -0.0 to the block's unused slots.
+Every program gets the same share of the work (with one program a block, the one-token w1 + w3's
+216 programs on 132 SMs of two each leave 48 SMs one program, idle half the launch).
+
 Decodes (`decode`), all exact:
   * "select": integer select of the fp32 bits per code, fp32 scale multiply, bf16 rounding;
   * "subnormal": the three magnitude bits moved into an fp32 subnormal, x 2^126, x scale (five
@@ -404,10 +411,10 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     (program (t, j, ks) sums the ks-th of k_splits equal runs of K blocks; the caller adds the
     partials in split order). Rows no tile covers are left unwritten (undefined).
 
-    stream_k > 0: that many programs (at most one a step) share the launch's T x N/block_n x K/block_k block steps
-    evenly (`stream_k_plan`; a program's run can span the end of one output block's K range and
-    the start of the next) and the result is fp32 partials [pieces, M, N] in K order, a block's
-    unused slots -0.0, which the caller adds and rounds once as for K splits.
+    stream_k > 0: that many programs (at most one a step) share the launch's T x N/block_n x
+    K/block_k block steps evenly (`stream_k_plan`; a program's run can span the end of one output
+    block's K range and the start of the next) and the result is fp32 partials [pieces, M, N] in
+    K order, a block's unused slots -0.0, which the caller adds and rounds once as for K splits.
 
     w and s may also be tuples of G such matrices (the same shape: an expert's w1 and w3): then
     one launch computes all G products of the same rows, each program loading its x columns once
