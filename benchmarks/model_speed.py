@@ -53,7 +53,9 @@ re-laid where the compiled GPU kernel runs ("relaid" decode; `fp4_relaid` "off" 
 `fast` with the routed experts' decode gather as one-row programs without tensor cores
 (`Experts.one_row`, `expert_matmul.BlockSizes.one_row`); `fast-streamk` is `fast` with the routed
 experts' launches of under two waves split evenly over the SMs (`Experts.stream_k`,
-`expert_matmul.BlockSizes.stream_k`); `fast-f64k` is `fast` with the float64
+`expert_matmul.BlockSizes.stream_k`); `fast-onedot` is `fast` with the routed experts' tensor-core
+tiles as one dot a K step (`Experts.one_dot`, `expert_matmul.BlockSizes.one_dot`); `fast-f64k` is
+`fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
@@ -107,6 +109,7 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # kernel's "pairs" decode) / re-laid where the compiled GPU kernel runs (its "relaid" decode);
 # "fast-onerow": "fast" with the routed experts' gather as one-row programs (`Experts.one_row`);
 # "fast-streamk": "fast" with the routed experts' small launches split stream-K (`Experts.stream_k`);
+# "fast-onedot": "fast" with the routed experts' tensor-core tiles as one dot a K step (`Experts.one_dot`);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
@@ -115,11 +118,12 @@ _RELAID = ModelArgs.fp4_relaid  # the default
 _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
-         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST,
+         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST,
          "fast-rows": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
+              "fast-onedot": ("experts_one_dot",),
               "fast-f64k": ("attn_f64_kernel",), "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
@@ -301,7 +305,8 @@ def random_model(args: ModelArgs, seed: int = 0):
 
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
-    `Experts.one_row`, "fast-streamk": `Experts.stream_k`, "fast-f64k": `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
+    `Experts.one_row`, "fast-streamk": `Experts.stream_k`, "fast-onedot": `Experts.one_dot`, "fast-f64k":
+    `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`,
     "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
@@ -802,19 +807,27 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                 for path in (pair if r % 2 == 0 else pair[::-1]):
                     use(path)
                     times[path].append(timeit(calls[path], iters=3 if not tiny else 1) / steps)
-            diff = [tb - ta for ta, tb in zip(times[a], times[b])]
-            for path in pair:
-                t = statistics.median(times[path])
-                row = {"rounds_s": times[path], **extra}
-                if path == b:
-                    row |= {"diff_s": diff, "diff_median_s": statistics.median(diff),
-                            "b_faster_rounds": sum(d < 0 for d in diff),
-                            "tokens_equal": bool(np.array_equal(first[a], first[b]))}
+            for path, t, row in _ab_rows(pair, times, first):
                 rep.add(name=f"ab {path} loop", batch=batch, context=context, seconds=t, bytes=by, flops=fl,
                         fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[path], 1),
-                        tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound, **row)
+                        tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound,
+                        **row, **extra)
             holder.clear()
             del layout, gens, calls
+
+
+def _ab_rows(pair, times, first):
+    """(path, median seconds, row fields) of each path of an A/B: `rounds_s`, and for B `diff_s`
+    (each round's B - A), `diff_median_s`, `b_faster_rounds` and `tokens_equal` (both paths' first
+    outputs, `first[path]`, equal)."""
+    a, b = pair
+    diff = [tb - ta for ta, tb in zip(times[a], times[b])]
+    for path in pair:
+        row = {"rounds_s": times[path]}
+        if path == b:
+            row |= {"diff_s": diff, "diff_median_s": statistics.median(diff), "b_faster_rounds": sum(d < 0 for d in diff),
+                    "tokens_equal": bool(np.array_equal(first[a], first[b]))}
+        yield path, statistics.median(times[path]), row
 
 
 def generate_row(rep, ceil, name, graphdef, state, batch, context, cache_len, new_tokens, steps_per_call, by, fl,
@@ -1144,27 +1157,36 @@ def layers_section(rep, ceil, args, graphdef, state, cache, ids, pos, counts, pa
         x, pre, shared, layers[i] = x2, pre2, shared2, holder["c"]
 
 
+def _prefill_setup(tiny: bool, s: int, path: str):
+    """(args, bytes, FLOPs) of a prefill of one `s`-token prompt on `path`."""
+    args = bench_args(tiny, 1, s, *PATHS[path])
+    counts = prefill_counts(args, param_bytes(args), s)
+    return args, sum(c[0] for c in counts), sum(c[1] for c in counts) + 2 * args.vocab_size * args.dim
+
+
+def _prefill_program(args, graphdef, state, s: int):
+    """(compiled prefill, call, compile seconds, first logits) of one `s`-token random prompt into
+    a fresh cache; `call()` runs it again and returns its logits."""
+    cache = jax.jit(lambda: init_cache(args, 1, s))()
+    ids = jax.random.randint(jax.random.key(2), (1, s), 0, args.vocab_size)
+
+    def run(state, ids, cache, gd=graphdef):
+        return nnx.merge(gd, state).prefill(ids, None, cache)
+
+    t0 = time.perf_counter()
+    f = jax.jit(run).lower(state, ids, cache).compile()  # one executable: timing and HLO
+    logits = jax.block_until_ready(f(state, ids, cache))[0]
+    call = functools.partial(lambda f, *a: f(*a)[0], f, state, ids, cache)
+    return f, call, time.perf_counter() - t0, logits
+
+
 def prefill_section(rep, ceil, tiny, lengths, paths, profile_for=()):
     for s in lengths:
         for path in paths:
-            args = bench_args(tiny, 1, s, *PATHS[path])
-            pb = param_bytes(args)
-            counts = prefill_counts(args, pb, s)
-            by = sum(c[0] for c in counts)
-            fl = sum(c[1] for c in counts) + 2 * args.vocab_size * args.dim
+            args, by, fl = _prefill_setup(tiny, s, path)
             try:
                 graphdef, state = with_path_flags(*random_model(args), path)
-                cache = jax.jit(lambda: init_cache(args, 1, s))()
-                ids = jax.random.randint(jax.random.key(2), (1, s), 0, args.vocab_size)
-
-                def run(state, ids, cache, gd=graphdef):
-                    return nnx.merge(gd, state).prefill(ids, None, cache)
-
-                t0 = time.perf_counter()
-                f = jax.jit(run).lower(state, ids, cache).compile()  # one executable: timing and HLO
-                jax.block_until_ready(f(state, ids, cache))
-                compile_s = time.perf_counter() - t0
-                call = functools.partial(lambda f, *a: f(*a)[0], f, state, ids, cache)
+                f, call, compile_s, _ = _prefill_program(args, graphdef, state, s)
                 t = timeit(call, warmup=1, iters=2 if not tiny else 1, repeats=2)
                 rep.add(name=f"prefill {path}", batch=1, context=s, seconds=t, bytes=by, flops=fl,
                         fraction_of_ceiling=fl / t / ceil["bf16"], ceiling="bf16", compile_s=round(compile_s, 1),
@@ -1174,12 +1196,41 @@ def prefill_section(rep, ceil, tiny, lengths, paths, profile_for=()):
                     _save_hlo(rep, f"prefill_{s}", hlo)
                     profile_rows(rep, call, f"prefill {path}", 1, s, reps=1, top=24,
                                  sources=hlo_sources(hlo))
-                del state, cache, call
+                del state, call
             except Exception as e:  # noqa: BLE001
                 rep.add(name=f"prefill {path}", batch=1, context=s, seconds=None, bytes=by, flops=fl,
                         fraction_of_ceiling=None, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=3)
             _speedup(rep, "prefill", 1, s)
+
+
+def ab_prefill_section(rep, ceil, tiny, pair, lengths, rounds):
+    """Paired timing of two paths' prefills in one process ("ab <path> prefill" rows), for paths
+    that differ only in module switches (`PATH_FLAGS`): both programs on one copy of the random
+    weights, the same prompt, timed in `rounds` rounds (A then B in even rounds, B then A in odd
+    ones), each round one warm-up call and the mean of 2 back-to-back calls; fields as `ab_section`'s
+    rows, `tokens_equal` on the last position's greedy token. Between processes the same prefill
+    moved by up to 4% (107-112 ms at 4096 tokens on the H200, runs 17-23)."""
+    a, b = pair
+    if PATHS[a] != PATHS[b]:
+        raise ValueError(f"--ab-prefill {a},{b}: the paths must differ only in module switches (PATH_FLAGS); "
+                         f"{a} runs {PATHS[a]}, {b} {PATHS[b]}")
+    for s in lengths:
+        args, by, fl = _prefill_setup(tiny, s, a)
+        graphdef, state = random_model(args)
+        calls, first, compile_s = {}, {}, {}
+        for path in pair:
+            _, calls[path], compile_s[path], logits = _prefill_program(args, *with_path_flags(graphdef, state, path), s)
+            first[path] = np.asarray(jnp.argmax(logits[:, -1], axis=-1))
+        times = {path: [] for path in pair}
+        for r in range(rounds):
+            for path in (pair if r % 2 == 0 else pair[::-1]):
+                times[path].append(timeit(calls[path], warmup=1, iters=1 if tiny else 2, repeats=1))
+        for path, t, row in _ab_rows(pair, times, first):
+            rep.add(name=f"ab {path} prefill", batch=1, context=s, seconds=t, bytes=by, flops=fl,
+                    fraction_of_ceiling=fl / t / ceil["bf16"], ceiling="bf16", compile_s=round(compile_s[path], 1),
+                    tokens_per_s=round(s / t, 1), **row)
+        del state, calls
 
 
 def _speedup(rep: Report, kind: str, batch: int, context: int):
@@ -1224,7 +1275,8 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default="fast,reference",
                    help="fast (kernels=auto), fast-f32 (and attn_accumulate=f32), fast-nofold (fp4_scale_fold=off), "
                         "fast-released / fast-relaid (fp4_relaid off / auto), fast-onerow (one-row expert gather), "
-                        "fast-streamk (stream-K expert launches), fast-f64k (float64 attention kernel), "
+                        "fast-streamk (stream-K expert launches), fast-onedot (one dot a K step in the expert tiles), "
+                        "fast-f64k (float64 attention kernel), "
                         "fast-gatenorm, fast-kvrow, fast-rows (module switches), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
@@ -1262,6 +1314,9 @@ def main(argv=None) -> int:
                         "steps a call) timed in --ab-rounds alternating rounds in one process, for each --batches "
                         "x --contexts ('ab' rows; runs beside --sections)")
     p.add_argument("--ab-rounds", type=int, default=6, help="rounds of the --ab timing (>= 2)")
+    p.add_argument("--ab-on", default="decode",
+                   help="what --ab times: decode (the loops), prefill (each --prefill length; paths that differ "
+                        "only in module switches) or both, comma-separated")
     p.add_argument("--reference-batches", default=None,
                    help="decode batches timed on the reference path too (default: all)")
     ns = p.parse_args(argv)
@@ -1292,8 +1347,15 @@ def main(argv=None) -> int:
                     f"(fast-released against fast-relaid)")
         if ns.ab_rounds < 2:
             p.error(f"--ab-rounds must be at least 2, got {ns.ab_rounds}")
-        if ns.loop_steps < 1:
+    ab_on = set(v for v in ns.ab_on.split(",") if v)
+    if not ab_on or ab_on - {"decode", "prefill"}:
+        p.error(f"--ab-on: expected decode, prefill or both, got {ns.ab_on!r}")
+    if ab:
+        if "decode" in ab_on and ns.loop_steps < 1:
             p.error("--ab times the decode loop: --loop-steps must be >= 1")
+        if "prefill" in ab_on and PATHS[ab[0]] != PATHS[ab[1]]:
+            p.error(f"--ab {ns.ab} --ab-on prefill: the paths must differ only in module switches (PATH_FLAGS: "
+                    f"{', '.join(PATH_FLAGS)}, against the path they extend)")
     sections = set(ns.sections.split(","))
     layers_for, profile_for = _shapes(ns.layers_for), _shapes(ns.profile_for)
     dev = jax.devices()[0]
@@ -1326,9 +1388,11 @@ def main(argv=None) -> int:
             for s_len in lengths:
                 prefill_section(rep, ceil, tiny, [s_len], [v for v in paths if v != "reference" or s_len in ref_pre],
                                 {(v, "fast") for v in _ints(ns.profile_prefill)})
-    if ab:
+    if ab and "decode" in ab_on:
         ab_section(rep, ceil, tiny, tuple(ab), batches, contexts, ns.ab_rounds, ns.loop_steps, ns.cache_len,
                    not ns.no_context_bound, ns.measure_routing)
+    if ab and "prefill" in ab_on:
+        ab_prefill_section(rep, ceil, tiny, tuple(ab), lengths, ns.ab_rounds)
     print(f"wrote {Path(ns.out) / 'model_speed.json'}")
     return 0
 

@@ -208,6 +208,10 @@ class Experts(nnx.Module):
     `stream_k` (off; set on the module to try it): the kernel's launches of under two waves (the
     one-token decode's) split their block steps evenly over `expert_matmul.TARGET_PROGRAMS` programs
     (`expert_matmul.BlockSizes.stream_k`; fp32 sums in another order).
+    `one_dot` (off; set on the module to try it): the kernel's tensor-core tiles run one dot a K
+    step on the 8 decoded code positions (`expert_matmul.BlockSizes.one_dot`; fp32 sums in another
+    order): 41% fewer K-loop instructions at prefill tiles, no faster at decode (H200, twenty-third
+    run); `model_speed --ab-prefill` times it in prefill.
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -226,6 +230,7 @@ class Experts(nnx.Module):
         self.scale_fold = scale_fold
         self.one_row = False
         self.stream_k = False
+        self.one_dot = False
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -348,8 +353,8 @@ class Experts(nnx.Module):
 
     def block_sizes(self) -> expert_matmul.BlockSizes:
         """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
-        `one_row` and `stream_k` when set."""
-        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row,
+        `one_row`, `stream_k` and `one_dot` when set."""
+        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row, one_dot=self.one_dot,
                                         decode="relaid" if self._relaid else None,
                                         stream_k=expert_matmul.TARGET_PROGRAMS if self.stream_k else 0)
 

@@ -67,18 +67,22 @@ def test_fast_paths_resolve_the_fold_and_layout_as_the_loaders_do():
 
 
 def test_flag_paths_set_every_module_of_their_class():
-    """`fast-onerow`, `fast-streamk` and `fast-f64k` are `fast` (same ModelArgs) with `one_row` /
-    `stream_k` on every Experts module / `f64_kernel` on every Attention module, which their kernel
-    options carry; `fast` leaves them off."""
+    """`fast-onerow`, `fast-streamk`, `fast-onedot` and `fast-f64k` are `fast` (same ModelArgs) with
+    `one_row` / `stream_k` / `one_dot` on every Experts module / `f64_kernel` on every Attention
+    module, which their kernel options carry; `fast` leaves them off."""
     assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast-f64k"] == model_speed.PATHS["fast"]
-    assert model_speed.PATHS["fast-streamk"] == model_speed.PATHS["fast"]
+    assert model_speed.PATHS["fast-streamk"] == model_speed.PATHS["fast-onedot"] == model_speed.PATHS["fast"]
     args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
     graphdef, state = model_speed.random_model(args)
     plain = nnx.merge(graphdef, state)
     one = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onerow"))
     f64k = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-f64k"))
     sk = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-streamk"))
+    od = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onedot"))
     for i in range(args.n_layers):
+        assert plain.layers[i].ffn.experts.block_sizes().one_dot is False
+        assert od.layers[i].ffn.experts.block_sizes().one_dot is True
+        assert od.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert plain.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert sk.layers[i].ffn.experts.block_sizes().stream_k == 264
         assert sk.layers[i].ffn.experts.block_sizes().one_row is False
@@ -740,6 +744,33 @@ def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeyp
         model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-f32"), [1], [64], 3, 2)
 
 
+def test_ab_prefill_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeypatch):
+    """--ab-on prefill: two paths that differ only in module switches, one prefill program each on
+    the same weights and prompt, timed in rounds A B, B A, ...; rows "ab <path> prefill" with the
+    per-round differences on the second, against the bf16 ceiling."""
+    order = []
+    seconds = iter([3e-3, 5e-3, 4e-3, 2e-3])  # A B | B A
+
+    def fake_timeit(fn, **kw):
+        order.append(fn)
+        jax.block_until_ready(fn())
+        return next(seconds)
+
+    monkeypatch.setattr(model_speed, "timeit", fake_timeit)
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.ab_prefill_section(rep, {"bf16": 1e12}, True, ("fast", "fast-onedot"), [32], 2)
+    a, b = rep.rows
+    assert (a["name"], b["name"]) == ("ab fast prefill", "ab fast-onedot prefill")
+    assert len(order) == 4 and order[0] is order[3] and order[1] is order[2] and order[0] is not order[1]
+    assert a["rounds_s"] == [3e-3, 2e-3] and b["rounds_s"] == [5e-3, 4e-3]
+    assert a["seconds"] == 2.5e-3 and b["context"] == 32 and b["ceiling"] == "bf16"
+    assert b["fraction_of_ceiling"] == pytest.approx(b["flops"] / 4.5e-3 / 1e12)
+    assert b["diff_s"] == pytest.approx([2e-3, 2e-3]) and b["b_faster_rounds"] == 0
+    assert b["tokens_equal"] is True  # on CPU the switch runs the same reference ops
+    with pytest.raises(ValueError, match="differ only in module switches"):
+        model_speed.ab_prefill_section(rep, {"bf16": 1e12}, True, ("fast", "fast-f32"), [32], 2)
+
+
 def test_ab_section_relaid_swaps_one_copy_of_the_weights(tmp_path, monkeypatch):
     """An A/B of two fp4 layouts (fast-released against a path that re-lays, `fp4_relaid` "on")
     holds one copy of the expert stacks: moved in place to B's layout before each B round and
@@ -771,6 +802,8 @@ def test_ab_section_relaid_swaps_one_copy_of_the_weights(tmp_path, monkeypatch):
     (["--ab", "fast,fast-f32"], "differ only in module switches"),
     (["--ab", "fast,fast-rows", "--ab-rounds", "1"], "--ab-rounds must be at least 2"),
     (["--ab", "fast,fast-rows", "--loop-steps", "0"], "--loop-steps must be >= 1"),
+    (["--ab", "fast,fast-rows", "--ab-on", "decode,nope"], "--ab-on: expected decode, prefill or both"),
+    (["--ab", "fast-released,fast-relaid", "--ab-on", "prefill"], "differ only in module switches"),
 ])
 def test_bad_ab_flags_are_refused_with_the_flag_named(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:

@@ -880,17 +880,17 @@ def test_fp4_relaid_is_resolved_where_the_compiled_kernel_runs(monkeypatch):
     assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="auto")).fp4_relaid == "on" and m.experts.relaid
 
 
-def _switched_gather(monkeypatch, switch: str, kwarg: str, x):
+def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather"):
     """(the `kernel_gpu.expert_matmul` `kwarg` values seen, jnp-path output, kernel output, the
-    kernel MoE) of the MoE's gather path on x with `Experts.<switch>` on."""
+    kernel MoE) of the MoE's `path` on x with `Experts.<switch>` on."""
     from pallas_kernels.expert_matmul import kernel_gpu
 
     m_ref, m_k = _moe("reference"), _moe("pallas")
     setattr(m_k.experts, switch, True)
     seen, real = [], kernel_gpu.expert_matmul
     monkeypatch.setattr(kernel_gpu, "expert_matmul", lambda *a, **k: seen.append(k[kwarg]) or real(*a, **k))
-    a, _ = m_ref(x, path="gather")
-    b, _ = m_k(x, path="gather")
+    a, _ = m_ref(x, path=path)
+    b, _ = m_k(x, path=path)
     return seen, a, b, m_k
 
 
@@ -899,7 +899,7 @@ def test_moe_one_row_gather_matches_the_jnp_path(monkeypatch):
     every launch) and the grouped path as before; the gather's outputs match the jnp path as the
     tensor-core tiles' do."""
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 19, 128)), jnp.bfloat16)
-    seen, a, b, m_k = _switched_gather(monkeypatch, "one_row", "rows", x)
+    seen, a, b, m_k = _switched_moe(monkeypatch, "one_row", "rows", x)
     assert seen and set(seen) == {1}
     d = ulps(a, b)
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
@@ -913,7 +913,17 @@ def test_moe_stream_k_switch_reaches_the_gather_launches(monkeypatch):
     stream-K programs (a one-token decode's launches are under two waves), and the MoE's outputs
     match the jnp path as the default tiles' do."""
     x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 1, 128)), jnp.bfloat16)
-    seen, a, b, _ = _switched_gather(monkeypatch, "stream_k", "stream_k", x)
+    seen, a, b, _ = _switched_moe(monkeypatch, "stream_k", "stream_k", x)
     assert seen and set(seen) == {api.TARGET_PROGRAMS}
+    d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+
+
+def test_moe_one_dot_switch_reaches_the_grouped_launches(monkeypatch):
+    """`Experts.one_dot` hands the grouped path's (prefill's) tensor-core launches `one_dot`, and
+    the MoE's outputs match the jnp path as the default tiles' do."""
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((1, 37, 128)), jnp.bfloat16)
+    seen, a, b, _ = _switched_moe(monkeypatch, "one_dot", "one_dot", x, path="grouped")
+    assert seen and set(seen) == {True}
     d = ulps(a, b)
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
