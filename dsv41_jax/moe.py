@@ -211,7 +211,10 @@ class Experts(nnx.Module):
     `one_dot` (off; set on the module to try it): the kernel's tensor-core tiles run one dot a K
     step on the 8 decoded code positions (`expert_matmul.BlockSizes.one_dot`; fp32 sums in another
     order): 41% fewer K-loop instructions at prefill tiles, no faster at decode (H200, twenty-third
-    run); `model_speed --ab-prefill` times it in prefill.
+    run); `model_speed --ab-on prefill` times it in prefill.
+    `swap_ab` (off; set on the module to try it): the kernel's dots take the decoded weight tile
+    as their first operand (`expert_matmul.BlockSizes.swap_ab`: on sm_90 wgmma with the decoded
+    registers as its A operand; fp32 sums in another order); compiled, not yet timed.
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -231,6 +234,7 @@ class Experts(nnx.Module):
         self.one_row = False
         self.stream_k = False
         self.one_dot = False
+        self.swap_ab = False
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -353,8 +357,9 @@ class Experts(nnx.Module):
 
     def block_sizes(self) -> expert_matmul.BlockSizes:
         """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
-        `one_row`, `stream_k` and `one_dot` when set."""
+        `one_row`, `stream_k`, `one_dot` and `swap_ab` when set."""
         return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row, one_dot=self.one_dot,
+                                        swap_ab=self.swap_ab,
                                         decode="relaid" if self._relaid else None,
                                         stream_k=expert_matmul.TARGET_PROGRAMS if self.stream_k else 0)
 

@@ -445,6 +445,8 @@ MODULE_SWITCHES = {
                                                "only)")),
     "experts_one_dot": (Experts, "one_dot", ("the routed experts' tensor-core tiles as one dot a K step on "
                                              "the 8 decoded code positions (GPU kernel only)")),
+    "experts_swap_ab": (Experts, "swap_ab", ("the routed experts' tensor-core dots with the decoded weight tile "
+                                             "as the first operand (GPU kernel only)")),
     "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "

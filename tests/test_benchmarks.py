@@ -72,6 +72,7 @@ def test_flag_paths_set_every_module_of_their_class():
     module, which their kernel options carry; `fast` leaves them off."""
     assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast-f64k"] == model_speed.PATHS["fast"]
     assert model_speed.PATHS["fast-streamk"] == model_speed.PATHS["fast-onedot"] == model_speed.PATHS["fast"]
+    assert model_speed.PATHS["fast-swapab"] == model_speed.PATHS["fast"]
     args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
     graphdef, state = model_speed.random_model(args)
     plain = nnx.merge(graphdef, state)
@@ -79,9 +80,12 @@ def test_flag_paths_set_every_module_of_their_class():
     f64k = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-f64k"))
     sk = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-streamk"))
     od = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onedot"))
+    sw = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-swapab"))
     for i in range(args.n_layers):
         assert plain.layers[i].ffn.experts.block_sizes().one_dot is False
         assert od.layers[i].ffn.experts.block_sizes().one_dot is True
+        assert plain.layers[i].ffn.experts.block_sizes().swap_ab is od.layers[i].ffn.experts.block_sizes().swap_ab is False
+        assert sw.layers[i].ffn.experts.block_sizes().swap_ab is sw.layers[i].ffn.experts.block_sizes().one_dot is True
         assert od.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert plain.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert sk.layers[i].ffn.experts.block_sizes().stream_k == 264
@@ -559,7 +563,8 @@ def test_triton_sass_cli_names_the_bad_flag(capsys):
 def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     """With the triton package: the 16-row decode tile multiplies on mma.sync (HMMA, register
     operands: no store of a decoded tile to shared memory in the loop), the 64-row prefill tile
-    on wgmma (HGMMA), whose weight operand is stored to shared memory first (STS)."""
+    on wgmma (HGMMA), whose weight operand is stored to shared memory first (STS); with
+    `swap_ab` both take wgmma with the decoded weights as the register operand."""
     pytest.importorskip("triton")
     from benchmarks import triton_sass
 
@@ -578,6 +583,17 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     one = triton_sass.site_row("w2 one row", {"scale_fold": True})
     assert one["mma"] == {} and one["spill_ops"] == 0, one
     assert one["top_ops"].get("FFMA", 0) == one["codes_per_thread"], one
+    # the weight tile as the MMA's A operand: wgmma with the decoded registers, x from shared
+    # memory, no register moves to assemble x's fragments, fewer instructions; at the prefill
+    # tile no decoded tile stored to shared memory either
+    base = triton_sass.site_row("w1+w3 decode", {"decode": "relaid", "scale_fold": True})
+    swap = triton_sass.site_row("w1+w3 decode", {"decode": "relaid", "scale_fold": True, "swap_ab": True})
+    assert list(base["mma"]) == ["HMMA.16816"] and list(swap["mma"]) == ["HGMMA.64"], (base, swap)
+    assert swap["moves_per_code"] < base["moves_per_code"] / 5, (base, swap)
+    assert swap["loop_instructions"] < 0.9 * base["loop_instructions"], (base, swap)
+    pre_swap = triton_sass.site_row("w1 prefill", {"decode": "relaid", "scale_fold": True, "swap_ab": True,
+                                                   "one_dot": True})
+    assert pre_swap["sts"] == 0 and pre_swap["loop_instructions"] < 0.6 * pre["loop_instructions"], pre_swap
 
 
 def test_triton_sass_counts_the_float64_attention_program():

@@ -187,6 +187,14 @@ class TestKernelInterpretOneDot(GatherBase):
     block_sizes = api.BlockSizes(one_dot=True)
 
 
+class TestKernelInterpretSwapAB(GatherBase):
+    # the decoded weight tile as each dot's first operand, with one dot a K step (the pairing
+    # the sm_90 code favours: benchmarks/README.md, thirty-eighth session)
+    implementation = "pallas"
+    interpret = True
+    block_sizes = api.BlockSizes(swap_ab=True, one_dot=True)
+
+
 class TestKernelInterpretOneRow(GatherBase):
     # the gather path's pairs as one-row programs without tensor cores (the grouped path keeps
     # its tiles)
@@ -394,6 +402,16 @@ class TestKernelGPUOneDot(TestKernelGPU):
 
 
 @needs_gpu
+class TestKernelGPUSwapAB(TestKernelGPU):
+    block_sizes = api.BlockSizes(swap_ab=True)
+
+
+@needs_gpu
+class TestKernelGPUSwapABOneDot(TestKernelGPU):
+    block_sizes = api.BlockSizes(swap_ab=True, one_dot=True)
+
+
+@needs_gpu
 class TestKernelGPUOneRow(TestKernelGPU):
     block_sizes = api.BlockSizes(one_row=True)
 
@@ -551,13 +569,14 @@ def test_scale_fold_pairs_are_exact_for_bytes_up_to_128():
             f"mov.b32 r_k, {kernel_gpu.BF16X2_2P126:#x};\n", "") == folded_ptx
 
 
-@pytest.mark.parametrize(("decode", "one_dot", "scale_fold", "rows"), [
-    ("select", False, False, 16), ("subnormal", False, False, 16), ("pairs", False, False, 16),
-    ("select", True, False, 16), ("subnormal", True, False, 16), ("pairs", True, False, 16),
-    ("pairs", False, True, 16), ("pairs", True, True, 16),
-    ("select", False, False, 1), ("pairs", False, False, 1), ("pairs", False, True, 1),
-    ("relaid", False, False, 16), ("relaid", False, True, 16), ("relaid", False, True, 1)])
-def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows):
+@pytest.mark.parametrize(("decode", "one_dot", "scale_fold", "rows", "swap_ab"), [
+    ("select", False, False, 16, False), ("subnormal", False, False, 16, False), ("pairs", False, False, 16, False),
+    ("select", True, False, 16, False), ("subnormal", True, False, 16, False), ("pairs", True, False, 16, False),
+    ("pairs", False, True, 16, False), ("pairs", True, True, 16, False),
+    ("select", False, False, 1, False), ("pairs", False, False, 1, False), ("pairs", False, True, 1, False),
+    ("relaid", False, False, 16, False), ("relaid", False, True, 16, False), ("relaid", False, True, 1, False),
+    ("relaid", False, True, 16, True), ("relaid", True, True, 16, True)])
+def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows, swap_ab):
     """The Pallas -> Triton lowering of every decode runs without a GPU (cross-platform lowering);
     the "pairs" kernel carries 16 packed multiplies a word pair's codes, 8 with `scale_fold`; the
     tensor-core tiles have dots, one-row programs none."""
@@ -567,7 +586,7 @@ def test_kernel_lowers_to_triton_for_cuda(decode, one_dot, scale_fold, rows):
     te, row0, valid = (jnp.asarray(v, jnp.int32) for v in ([2], [0], [rows]))
     f = lambda x, w, s: kernel_gpu.expert_matmul(x, w, s, te, row0, valid, rows=rows, block_n=64, block_k=256,
                                                  num_warps=4, num_stages=3, interpret=False, decode=decode,
-                                                 one_dot=one_dot, scale_fold=scale_fold)
+                                                 one_dot=one_dot, scale_fold=scale_fold, swap_ab=swap_ab)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "expert_matmul_fp4" in text
     assert text.count("mul.rn.bf16x2") == (0 if decode not in ("pairs", "relaid") else 8 if scale_fold else 16)
@@ -915,6 +934,16 @@ def test_moe_stream_k_switch_reaches_the_gather_launches(monkeypatch):
     x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 1, 128)), jnp.bfloat16)
     seen, a, b, _ = _switched_moe(monkeypatch, "stream_k", "stream_k", x)
     assert seen and set(seen) == {api.TARGET_PROGRAMS}
+    d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+
+
+def test_moe_swap_ab_switch_reaches_the_gather_launches(monkeypatch):
+    """`Experts.swap_ab` hands the gather path's (decode's) tensor-core launches `swap_ab`, and
+    the MoE's outputs match the jnp path as the default tiles' do."""
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((1, 5, 128)), jnp.bfloat16)
+    seen, a, b, _ = _switched_moe(monkeypatch, "swap_ab", "swap_ab", x)
+    assert seen and set(seen) == {True}
     d = ulps(a, b)
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
 

@@ -82,6 +82,14 @@ class BlockSizes:
       at decode tiles), 8% (w1) and 41% (64-row prefill tiles), the fused launch's spills mostly
       go. On the H200 (twenty-third run) no faster at decode, hence off. One-row programs have no dot
       (ignored there).
+    swap_ab: each dot takes the decoded weight tile as its first operand and x as its second
+      (kernel_gpu.expert_matmul): the MMA's A operand then comes from the registers the decode
+      wrote, and x (the B operand) from shared memory. Compiled without a GPU
+      (benchmarks/triton_sass.py, triton 3.9.0, relaid decode with the fold, instructions a warp a
+      K step): w1 + w3 at the one-token tile 2004 -> 1753 (-13%; 460 register moves that assemble
+      x's A fragments go, wgmma replaces mma.sync), w2 610 -> 556; with `one_dot` 1584 (-21%) and
+      446 (-27%), and the 64-row prefill tile 999 -> 494 with no decoded tile stored to shared
+      memory. Same products, fp32 sums in another order. Not timed yet, hence off.
     one_row: the gather path (one (token, expert) pair a tile: decode at up to 64 pairs) runs
       one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
       tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
@@ -126,6 +134,7 @@ class BlockSizes:
     fuse: bool | None = None
     mask_x: bool = True
     one_dot: bool = False
+    swap_ab: bool = False
     scale_fold: bool = False
     one_row: bool = False
     k_splits: int | None = None
@@ -150,13 +159,14 @@ class BlockSizes:
                                            MIN_WAVE_FILL)
         stream_k = self.stream_k if k_splits == 1 and 0 < tiles * (n // block_n) < 2 * self.stream_k else 0
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
-                                   fuse=fuse, one_dot=self.one_dot and rows > 1, k_splits=k_splits, stream_k=stream_k)
+                                   fuse=fuse, one_dot=self.one_dot and rows > 1, swap_ab=self.swap_ab and rows > 1,
+                                   k_splits=k_splits, stream_k=stream_k)
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
         return {"block_n": self.block_n, "block_k": self.block_k, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot,
-                "scale_fold": self.scale_fold, "k_splits": self.k_splits, "stream_k": self.stream_k}
+                "scale_fold": self.scale_fold, "k_splits": self.k_splits, "stream_k": self.stream_k, "swap_ab": self.swap_ab}
 
 
 def _many(w, s) -> bool:

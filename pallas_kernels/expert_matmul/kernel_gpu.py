@@ -276,7 +276,7 @@ def stream_k_plan(units: int, n_kblocks: int, programs: int) -> tuple[int, int]:
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
             n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool, split: bool,
-            stream_k: tuple[int, int, int, int] | None = None):
+            stream_k: tuple[int, int, int, int] | None = None, swap_ab: bool = False):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
     # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16, or [k_splits, M, N] fp32 when split
@@ -333,19 +333,20 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
                 if one_row:  # exact products, added per word column (no tensor cores)
                     for xj, wj in zip(xs, codes(words, sb)):
                         acc = acc + wj.astype(jnp.float32) * xj
-                elif one_dot:
-                    acc = acc + jax.lax.dot_general(xb, _concat_k(codes(words, sb)), dims,
-                                                    preferred_element_type=jnp.float32)
-                else:
-                    for xj, wj in zip(xs, codes(words, sb)):
-                        acc = acc + jax.lax.dot_general(xj, wj, dims, preferred_element_type=jnp.float32)
+                else:  # dots of x [rows, .] and the decoded codes [bn, .] along their second axes
+                    pairs = [(xb, _concat_k(codes(words, sb)))] if one_dot else zip(xs, codes(words, sb))
+                    for xj, wj in pairs:
+                        a, b = (wj, xj) if swap_ab else (xj, wj)
+                        acc = acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
                 new.append(acc)
             return tuple(new)
 
-        zero = jnp.zeros((block_n, kw) if one_row else (rows, block_n), jnp.float32)
+        zero = jnp.zeros((block_n, kw) if one_row else (block_n, rows) if swap_ab else (rows, block_n), jnp.float32)
         accs = jax.lax.fori_loop(lo, hi, body, (zero,) * g)
         if one_row:  # each column's kw running sums, added once after the K loop
             accs = tuple(jnp.sum(acc, axis=1)[None, :] for acc in accs)
+        elif swap_ab:
+            accs = tuple(acc.T for acc in accs)
         return accs
 
     def store(o_ref, acc, row0, valid, n0, slot=None):
@@ -405,7 +406,8 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
 def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Array,
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
                   num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False,
-                  one_dot: bool = False, scale_fold: bool = False, k_splits: int = 1, stream_k: int = 0):
+                  one_dot: bool = False, scale_fold: bool = False, k_splits: int = 1, stream_k: int = 0,
+                  swap_ab: bool = False):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N], or with k_splits > 1 fp32 partial sums [k_splits, M, N]
     (program (t, j, ks) sums the ks-th of k_splits equal runs of K blocks; the caller adds the
@@ -432,6 +434,10 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     decoded code positions concatenated along K ([block_n, block_k], in x's permuted column
     order) for one dot a K step, instead of 8 dots whose results are added (Pallas gives each dot
     a zero accumulator and adds it after: an fp32 add per accumulator element per dot).
+    swap_ab: the decoded weight tile is each dot's first operand (accumulators [block_n, rows],
+    transposed once after the K loop): on sm_90 the MMA's A operand, taken from the registers
+    the decode wrote, and x the B operand from shared memory (wgmma when block_n is a multiple of
+    64), instead of x's A fragments assembled by register moves.
     scale_fold: the caller guarantees every byte of s is <= FOLD_MAX_BYTE (128: scales <= 2): the
     "pairs" decode then takes its x 2^126 in the scale, one packed multiply per two codes fewer,
     bit-identical. Not checked here (a larger byte gives inf); the loaders check
@@ -455,8 +461,9 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     if rows != 1 and (not is_pow2(rows) or rows < 16):
         raise NotImplementedError(f"rows per tile must be 1 (no tensor cores) or a power of 2 >= 16 for "
                                   f"tensor-core tiles, got {rows=}")
-    if rows == 1 and one_dot:
-        raise NotImplementedError("one_dot needs tensor-core tiles (rows >= 16), got rows=1")
+    if rows == 1 and (one_dot or swap_ab):
+        raise NotImplementedError(f"one_dot / swap_ab need tensor-core tiles (rows >= 16), got rows=1 "
+                                  f"({one_dot=}, {swap_ab=})")
     if not is_pow2(block_n) or block_n < 16 or n % block_n:
         raise NotImplementedError(f"block_n must be a power of 2 >= 16 dividing {n=}, got {block_n=}")
     if not is_pow2(block_k) or block_k < 128 or k % block_k:
@@ -485,7 +492,8 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     split = k_splits > 1 or plan is not None
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k,
                                n_kblocks=k // block_k // k_splits, decode=decode, mask_x=mask_x, one_dot=one_dot,
-                               scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split, stream_k=plan)
+                               scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split, stream_k=plan,
+                               swap_ab=swap_ab)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
     o_shape = (slots, m, n) if split else (m, n)
     out = pl.pallas_call(
