@@ -207,14 +207,16 @@ class Experts(nnx.Module):
     at batch 1 and 25% at batch 8, benchmarks/README.md).
     `stream_k` (off; set on the module to try it): the kernel's launches of under two waves (the
     one-token decode's) split their block steps evenly over `expert_matmul.TARGET_PROGRAMS` programs
-    (`expert_matmul.BlockSizes.stream_k`; fp32 sums in another order).
+    (`expert_matmul.BlockSizes.stream_k`; fp32 sums in another order; on an H100 no faster for
+    w1 + w3 and 13% slower for w2).
     `one_dot` (off; set on the module to try it): the kernel's tensor-core tiles run one dot a K
     step on the 8 decoded code positions (`expert_matmul.BlockSizes.one_dot`; fp32 sums in another
     order): 41% fewer K-loop instructions at prefill tiles, no faster at decode (H200, twenty-third
     run); `model_speed --ab-on prefill` times it in prefill.
     `swap_ab` (off; set on the module to try it): the kernel's dots take the decoded weight tile
     as their first operand (`expert_matmul.BlockSizes.swap_ab`: on sm_90 wgmma with the decoded
-    registers as its A operand; fp32 sums in another order); compiled, not yet timed.
+    registers as its A operand; fp32 sums in another order); on an H100 with `one_dot` w2 11%
+    faster and the fused w1 + w3 14% slower (benchmarks/README.md, thirty-eighth session).
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"

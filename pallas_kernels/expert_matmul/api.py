@@ -89,7 +89,10 @@ class BlockSizes:
       K step): w1 + w3 at the one-token tile 2004 -> 1753 (-13%; 460 register moves that assemble
       x's A fragments go, wgmma replaces mma.sync), w2 610 -> 556; with `one_dot` 1584 (-21%) and
       446 (-27%), and the 64-row prefill tile 999 -> 494 with no decoded tile stored to shared
-      memory. Same products, fp32 sums in another order. Not timed yet, hence off.
+      memory. Same products, fp32 sums in another order. Timed on an H100 (benchmarks/README.md,
+      thirty-eighth session; device time, one token, relaid with the fold): w2 23.05 -> 20.53 µs
+      with `one_dot` (-11%), 23.49 without; the fused w1 + w3 slower, 41.42 -> 47.06 µs with
+      `one_dot` and 54.00 without (despite fewer instructions; not profiled yet); hence off.
     one_row: the gather path (one (token, expert) pair a tile: decode at up to 64 pairs) runs
       one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
       tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
@@ -111,7 +114,9 @@ class BlockSizes:
       output block is an fp32 partial, added in K order and rounded to bf16 once by a small XLA
       reduction after the launch (same products, fp32 sums in another order). Applied only where
       the launch has fewer output blocks than 2 x stream_k (else 0: its waves are full enough);
-      with K splits it is off.
+      with K splits it is off. Timed on an H100 at 264 programs (benchmarks/README.md,
+      thirty-eighth session; device time, one token): w1 + w3 41.50 against 41.42 µs, w2 25.98
+      against 23.05: no gain, hence off (0).
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
