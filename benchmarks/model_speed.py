@@ -56,8 +56,7 @@ experts' launches of under two waves split evenly over the SMs (`Experts.stream_
 `expert_matmul.BlockSizes.stream_k`); `fast-onedot` is `fast` with the routed experts' tensor-core
 tiles as one dot a K step (`Experts.one_dot`, `expert_matmul.BlockSizes.one_dot`); `fast-swapab`
 is `fast-onedot` with the decoded weight tile as the dots' first operand (`Experts.swap_ab`,
-`expert_matmul.BlockSizes.swap_ab`); `fast-f64k` is
-`fast` with the float64
+`expert_matmul.BlockSizes.swap_ab`); `fast-f64k` is `fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
@@ -121,8 +120,8 @@ _RELAID = ModelArgs.fp4_relaid  # the default
 _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
-         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST,
-         "fast-rows": _FAST,
+         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST, "fast-f64k": _FAST,
+         "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
@@ -1216,7 +1215,7 @@ def ab_prefill_section(rep, ceil, tiny, pair, lengths, rounds):
     moved by up to 4% (107-112 ms at 4096 tokens on the H200, runs 17-23)."""
     a, b = pair
     if PATHS[a] != PATHS[b]:
-        raise ValueError(f"--ab-prefill {a},{b}: the paths must differ only in module switches (PATH_FLAGS); "
+        raise ValueError(f"--ab {a},{b} --ab-on prefill: the paths must differ only in module switches (PATH_FLAGS); "
                          f"{a} runs {PATHS[a]}, {b} {PATHS[b]}")
     for s in lengths:
         args, by, fl = _prefill_setup(tiny, s, a)
