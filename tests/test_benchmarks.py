@@ -734,18 +734,24 @@ def test_router_rows_check_the_gate_launch_against_the_reference(monkeypatch):
             assert r.note.startswith("FAILED") and np.isnan(r.us), r
 
 
-def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeypatch):
-    """--ab: two paths that differ only in module switches, one program each on the same weights
-    and cache, timed in rounds A B, B A, ...; the second row holds the per-round differences."""
-    order = []
-    seconds = iter([3e-3, 5e-3, 4e-3, 2e-3, 3e-3, 6e-3])  # A B | B A | A B
+def _scripted_timeit(monkeypatch, seconds: list) -> list:
+    """Replaces `model_speed.timeit` by one that runs each call once and returns the next of
+    `seconds`; returns the list of the timed callables, in call order."""
+    order, it = [], iter(seconds)
 
     def fake_timeit(fn, **kw):
         order.append(fn)
         jax.block_until_ready(fn())
-        return next(seconds)
+        return next(it)
 
     monkeypatch.setattr(model_speed, "timeit", fake_timeit)
+    return order
+
+
+def test_ab_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path, monkeypatch):
+    """--ab: two paths that differ only in module switches, one program each on the same weights
+    and cache, timed in rounds A B, B A, ...; the second row holds the per-round differences."""
+    order = _scripted_timeit(monkeypatch, [3e-3, 5e-3, 4e-3, 2e-3, 3e-3, 6e-3])  # A B | B A | A B
     rep = model_speed.Report(tmp_path, {})
     model_speed.ab_section(rep, {"hbm": 1e12}, True, ("fast", "fast-kvrow"), [1], [64], 3, 2)
     a, b = rep.rows
@@ -764,15 +770,7 @@ def test_ab_prefill_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path,
     """--ab-on prefill: two paths that differ only in module switches, one prefill program each on
     the same weights and prompt, timed in rounds A B, B A, ...; rows "ab <path> prefill" with the
     per-round differences on the second, against the bf16 ceiling."""
-    order = []
-    seconds = iter([3e-3, 5e-3, 4e-3, 2e-3])  # A B | B A
-
-    def fake_timeit(fn, **kw):
-        order.append(fn)
-        jax.block_until_ready(fn())
-        return next(seconds)
-
-    monkeypatch.setattr(model_speed, "timeit", fake_timeit)
+    order = _scripted_timeit(monkeypatch, [3e-3, 5e-3, 4e-3, 2e-3])  # A B | B A
     rep = model_speed.Report(tmp_path, {})
     model_speed.ab_prefill_section(rep, {"bf16": 1e12}, True, ("fast", "fast-onedot"), [32], 2)
     a, b = rep.rows
