@@ -948,6 +948,18 @@ def test_moe_swap_ab_switch_reaches_the_gather_launches(monkeypatch):
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
 
 
+@pytest.mark.parametrize("path", ["gather", "grouped"])
+def test_moe_w2_swap_ab_switch_reaches_the_w2_launches_alone(monkeypatch, path):
+    """`Experts.w2_swap_ab` hands `swap_ab` and `one_dot` to the launches of w2 alone (the gather
+    path's and the grouped path's), the fused w1 + w3 keeps the defaults; the MoE's outputs match
+    the jnp path as the default tiles' do."""
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 5 if path == "gather" else 37, 128)), jnp.bfloat16)
+    seen, a, b, _ = _switched_moe(monkeypatch, "w2_swap_ab", "swap_ab", x, path=path)
+    assert seen == [False, True], seen  # w1 + w3 fused (tiles of <= 16 rows), then w2
+    d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+
+
 def test_moe_one_dot_switch_reaches_the_grouped_launches(monkeypatch):
     """`Experts.one_dot` hands the grouped path's (prefill's) tensor-core launches `one_dot`, and
     the MoE's outputs match the jnp path as the default tiles' do."""
