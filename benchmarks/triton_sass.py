@@ -116,8 +116,9 @@ def fuse_dot_add(ir: str) -> tuple[str, int]:
     return "\n".join(out), n
 
 
-def compile_ir(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> dict:
-    """Triton IR compiled for sm_`capability` by the triton package: its stages ("ptx", "cubin", ...)."""
+def compile_ir(ir: str, num_warps: int, num_stages: int, capability: int = 90):
+    """Triton IR compiled for sm_`capability` by the triton package: the compiled kernel (`.asm`:
+    its stages "ptx", "cubin", ...; `.metadata.shared`: its dynamic shared memory in bytes)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -126,17 +127,19 @@ def compile_ir(ir: str, num_warps: int, num_stages: int, capability: int = 90) -
         src = Path(tmp) / "kernel.ttir"
         src.write_text(ir)
         return triton.compile(str(src), target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages}).asm
+                              options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> tuple[str, str]:
-    """(SASS text, cuobjdump's resource-usage line) of Triton IR compiled for sm_`capability`."""
+def compile_sass(ir: str, num_warps: int, num_stages: int, capability: int = 90) -> tuple[str, str, int]:
+    """(SASS text, cuobjdump's resource-usage line, dynamic shared memory in bytes) of Triton IR
+    compiled for sm_`capability`."""
+    kernel = compile_ir(ir, num_warps, num_stages, capability)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compile_ir(ir, num_warps, num_stages, capability)["cubin"])
+        cubin.write_bytes(kernel.asm["cubin"])
         sass, usage = _disassemble(cubin)
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
-    return sass, line
+    return sass, line, int(kernel.metadata.shared)
 
 
 def _tool(name: str) -> str:
@@ -239,6 +242,23 @@ def issue_bound(instructions: int, num_warps: int, weight_bytes: int, mma_flops:
     return {"weights_tb_s": weight_bytes * per_s / 1e12, "mma_tflop_s": mma_flops * per_s / 1e12}
 
 
+# an sm_90 SM (H100, H200): registers, shared memory in bytes, resident warps; registers go to a
+# warp in units of 256 (8 a thread), and each resident program also reserves 1 KB of shared memory
+SM90_REGISTERS, SM90_SHARED, SM90_WARPS, SM90_RESERVED = 65536, 233472, 64, 1024
+# the one-token decode's (token, expert) pairs: a gather launch runs pairs x column blocks programs
+TOP_K = 6
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> dict:
+    """The programs of `num_warps` warps, `registers` a thread and `shared_bytes` of dynamic shared
+    memory that one sm_90 SM holds at once, as each resource allows ("registers", "shared",
+    "warps") and all together ("programs")."""
+    per_warp = -(-registers // 8) * 8 * 32
+    limits = {"registers": SM90_REGISTERS // per_warp // num_warps,
+              "shared": SM90_SHARED // (shared_bytes + SM90_RESERVED), "warps": SM90_WARPS // num_warps}
+    return limits | {"programs": min(limits.values())}
+
+
 def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     n, k, g, rows = SITES[site]
     ir, kw = expert_ir(n, k, g, rows, **variant)
@@ -246,7 +266,7 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
         ir, fused = fuse_dot_add(ir)
         if not fused:
             raise RuntimeError(f"{site}: no dot followed by an add of its result in the IR")
-    sass, usage = compile_sass(ir, kw["num_warps"], kw["num_stages"])
+    sass, usage, shared = compile_sass(ir, kw["num_warps"], kw["num_stages"])
     st = loop_stats(sass)
     ops = st["ops"]
     bn, bk = kw["block_n"], kw["block_k"]
@@ -256,6 +276,10 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     bound = issue_bound(st["instructions"], kw["num_warps"], g * bn * (bk // 2 + bk // 32), g * 2 * rows * bn * bk)
+    resident = programs_per_sm(int(regs.group(1)), kw["num_warps"], shared) if regs else None
+    # a one-token gather launch (16-row tiles, one pair each): its programs over the SMs' slots
+    one_token = TOP_K * (n // bn) * kw.get("k_splits", 1) if rows == 16 else None
+    waves = one_token / (H200_SMS * resident["programs"]) if one_token and resident else None
     return {"site": site, "variant": variant, "fuse_accumulate": fuse_accumulate, "kernel": kw,
             "loop_instructions": st["instructions"], "codes_per_thread": codes, "issue_bound": bound,
             "instructions_per_code": st["instructions"] / codes,
@@ -264,7 +288,8 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
             "mma": _mma(ops),
             "sts": _count(ops, "STS"), "lds": _count(ops, "LDS"), "spill_ops": _count(ops, "STL", "LDL"),
             "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
-            "top_ops": dict(list(ops.items())[:12])}
+            "shared_bytes": shared, "programs_per_sm": resident, "one_token_programs": one_token,
+            "one_token_waves": waves, "top_ops": dict(list(ops.items())[:12])}
 
 
 def attention_f64_row(rows: int, **overrides) -> dict:
@@ -284,7 +309,7 @@ def attention_f64_row(rows: int, **overrides) -> dict:
     f = functools.partial(kernel_gpu.sparse_attn, scale=d ** -0.5, split_probs=True, interpret=False, f64=True, **kw)
     irs = triton_ir(f, jnp.zeros((rows, 1, h, d), jnp.bfloat16), jnp.zeros((rows, 4096, d), jnp.bfloat16),
                     jnp.zeros((h,), jnp.float32), jnp.zeros((rows, 1, k), jnp.int32))
-    sass, usage = compile_sass(irs[0], bs.num_warps, bs.num_stages)
+    sass, usage, _ = compile_sass(irs[0], bs.num_warps, bs.num_stages)
     try:
         ops, looped = loop_stats(sass)["ops"], True
     except ValueError:  # one step a split: the loop is unrolled away, count the whole kernel
@@ -329,8 +354,9 @@ def main(argv=None) -> int:
         p.error("the triton package is needed (pip install -e '.[sass]'); it is not a project dependency")
     rows = []
     print("| site | variant | loop instr. / warp | instr. / code | ALU / code | moves / code | MMA | STS | "
-          "spill ops | regs | stack B | issue bound: weights TB/s, MMA TFLOP/s |")
-    print("|" + " --- |" * 12)
+          "spill ops | regs | stack B | shared KB | programs / SM | one-token waves | "
+          "issue bound: weights TB/s, MMA TFLOP/s |")
+    print("|" + " --- |" * 15)
     for site in sites:
         for v, fuse in ((v, f) for v in variants for f in ((False, True) if ns.fuse_accumulate else (False,))):
             label = (json.dumps(v) if v else "default") + (", accumulator in the dots" if fuse else "")
@@ -345,10 +371,20 @@ def main(argv=None) -> int:
             print(f"| {site} | {label} | {r['loop_instructions']} | "
                   f"{r['instructions_per_code']:.2f} | {r['alu_per_code']:.2f} | {r['moves_per_code']:.2f} | {mma} | "
                   f"{r['sts']} | {r['spill_ops']} | {r['registers']} | {r['stack_bytes']} | "
+                  f"{r['shared_bytes'] / 1024:.0f} | {_resident(r)} | "
+                  f"{'-' if r['one_token_waves'] is None else format(r['one_token_waves'], '.2f')} | "
                   f"{r['issue_bound']['weights_tb_s']:.2f}, {r['issue_bound']['mma_tflop_s']:.0f} |", flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
     return 0
+
+
+def _resident(r: dict) -> str:
+    """"2 (registers)": a row's programs an SM and the resource that sets it."""
+    res = r["programs_per_sm"]
+    if res is None:
+        return "-"
+    return f"{res['programs']} ({', '.join(k for k in ('registers', 'shared', 'warps') if res[k] == res['programs'])})"
 
 
 def _attention_main(ns) -> int:

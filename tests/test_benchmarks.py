@@ -554,6 +554,20 @@ def test_triton_sass_lowers_the_expert_kernel_for_cuda_without_a_gpu():
     assert ir.count("tt.dot") == 8 and "prmt.b32" not in ir and kw["num_warps"] == 8
 
 
+def test_programs_per_sm_takes_the_scarcest_resource():
+    """sm_90 residency: registers go to a warp 8 a thread at a time (255 and 228 -> 256 and 232: two
+    4-warp programs), each program reserves 1 KB of shared memory beside its own (116 KB: one),
+    and an SM holds 64 warps."""
+    from benchmarks import triton_sass
+
+    assert triton_sass.programs_per_sm(255, 4, 102400) == {"registers": 2, "shared": 2, "warps": 16, "programs": 2}
+    assert triton_sass.programs_per_sm(228, 4, 118784)["programs"] == 1  # shared memory
+    assert triton_sass.programs_per_sm(112, 4, 41984) == {"registers": 4, "shared": 5, "warps": 16, "programs": 4}
+    assert triton_sass.programs_per_sm(121, 4, 0)["registers"] == 4  # 128 a thread: 16 warps of 4096
+    assert triton_sass.programs_per_sm(129, 4, 0)["registers"] == 3  # 136: 15 warps of 4352
+    assert triton_sass.programs_per_sm(32, 8, 0)["programs"] == 8  # 64 warps
+
+
 def test_triton_sass_cli_names_the_bad_flag(capsys):
     from benchmarks import triton_sass
 
@@ -598,6 +612,18 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     pre_swap = triton_sass.site_row("w1 prefill", {"decode": "relaid", "scale_fold": True, "swap_ab": True,
                                                    "one_dot": True})
     assert pre_swap["sts"] == 0 and pre_swap["loop_instructions"] < 0.6 * pre["loop_instructions"], pre_swap
+    # the fused one-token launch: 216 programs, two an SM by default (one wave of 132 SMs); with
+    # swap_ab + one_dot its shared memory holds one an SM (two waves); w2's 480 keep one wave
+    swap_od = triton_sass.site_row("w1+w3 decode", {"decode": "relaid", "scale_fold": True, "swap_ab": True,
+                                                     "one_dot": True})
+    assert base["one_token_programs"] == swap_od["one_token_programs"] == 216
+    assert base["programs_per_sm"]["programs"] == 2 and base["one_token_waves"] < 1, base
+    assert swap_od["programs_per_sm"]["programs"] == swap_od["programs_per_sm"]["shared"] == 1, swap_od
+    assert swap_od["one_token_waves"] > 1.5, swap_od
+    w2_swap = triton_sass.site_row("w2 decode", {"decode": "relaid", "scale_fold": True, "swap_ab": True,
+                                                 "one_dot": True})
+    assert w2_swap["one_token_programs"] == 480 and w2_swap["one_token_waves"] < 1, w2_swap
+    assert pre["one_token_waves"] is None
 
 
 def test_triton_sass_counts_the_float64_attention_program():
@@ -645,7 +671,7 @@ def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
     from benchmarks import triton_sass
 
     ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"])
-    (tmp_path / "m.ptx").write_text(triton_sass.compile_ir(ir, kw["num_warps"], kw["num_stages"])["ptx"])
+    (tmp_path / "m.ptx").write_text(triton_sass.compile_ir(ir, kw["num_warps"], kw["num_stages"]).asm["ptx"])
     assert triton_sass.main(["--ptx", str(tmp_path / "m.ptx")]) == 0
     out = capsys.readouterr().out
     assert "| expert_matmul_fp4 |" in out and "HMMA.16816 32" in out, out
