@@ -12,9 +12,12 @@ of the software pipeline): its instructions (per warp, i.e. per thread), the ins
 fp4 code (a thread's share of the step's codes), the mix (decode: integer and packed-bf16
 operations; MMA: HMMA = warp-level mma.sync with register operands, HGMMA = warpgroup wgmma
 reading shared memory; STS = stores to shared memory, i.e. a decoded tile on its way to the MMA),
-registers, spill traffic (STL / LDL in the loop) and shared memory, and the issue bound: the
-weight bytes a second and MMA FLOP/s the loop could reach on an H200 (132 SMs at 1.98 GHz, 4
-warp instructions a clock an SM) if issuing its instructions were the only limit (`issue_bound`).
+registers, spill traffic (STL / LDL in the loop) and shared memory, the programs an sm_90 SM
+holds at once (by registers, shared memory and warps: `programs_per_sm`) and, for the 16-row
+decode tiles, the waves a one-token launch's programs (6 pairs x column blocks x K splits) take
+on 132 SMs, and the issue bound: the weight bytes a second and MMA FLOP/s the loop could reach
+on an H200 (132 SMs at 1.98 GHz, 4 warp instructions a clock an SM) if issuing its instructions
+were the only limit (`issue_bound`).
 
 The compiler is the `triton` package's, not the Triton inside the jaxlib that runs the kernel on
 a GPU: versions and pass pipelines differ, so the counts describe this compilation; a device's

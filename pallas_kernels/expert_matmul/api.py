@@ -92,7 +92,12 @@ class BlockSizes:
       memory. Same products, fp32 sums in another order. Timed on an H100 (benchmarks/README.md,
       thirty-eighth session; device time, one token, relaid with the fold): w2 23.05 -> 20.53 µs
       with `one_dot` (-11%), 23.49 without; the fused w1 + w3 slower, 41.42 -> 47.06 µs with
-      `one_dot` and 54.00 without (despite fewer instructions; not profiled yet); hence off.
+      `one_dot` and 54.00 without, despite fewer instructions; hence off. Compiled, the fused
+      launch's K step decodes a whole weight tile into registers, issues its wgmma chain and
+      waits for it before the next tile (no overlap of decode and MMA inside a program), and its
+      shared memory (116 KB at 3 stages of 512) holds one program an SM where the default holds
+      two: its 216 one-token programs take 1.64 waves instead of 0.82 (`benchmarks.triton_sass`,
+      "programs / SM"); w2's 480 keep 4 an SM either way.
     one_row: the gather path (one (token, expert) pair a tile: decode at up to 64 pairs) runs
       one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
       tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
