@@ -56,8 +56,9 @@ experts' launches of under two waves split evenly over the SMs (`Experts.stream_
 `expert_matmul.BlockSizes.stream_k`); `fast-onedot` is `fast` with the routed experts' tensor-core
 tiles as one dot a K step (`Experts.one_dot`, `expert_matmul.BlockSizes.one_dot`); `fast-swapab`
 is `fast-onedot` with the decoded weight tile as the dots' first operand (`Experts.swap_ab`,
-`expert_matmul.BlockSizes.swap_ab`); `fast-w2swap` is `fast` with w2's launches alone as in
-`fast-swapab` (`Experts.w2_swap_ab`); `fast-f64k` is `fast` with the float64 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
+`expert_matmul.BlockSizes.swap_ab`); `fast-swapsingle` is `fast` with the launches of one weight
+matrix as in `fast-swapab` (`Experts.swap_ab_single`); `fast-f64k` is `fast` with the float64
+attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
 is `fast` with a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch
@@ -112,7 +113,8 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-streamk": "fast" with the routed experts' small launches split stream-K (`Experts.stream_k`);
 # "fast-onedot": "fast" with the routed experts' tensor-core tiles as one dot a K step (`Experts.one_dot`);
 # "fast-swapab": "fast-onedot" with the decoded weight tile as the dots' first operand (`Experts.swap_ab`);
-# "fast-w2swap": "fast" with w2's launches alone as in "fast-swapab" (`Experts.w2_swap_ab`);
+# "fast-swapsingle": "fast" with the launches of one weight matrix as in "fast-swapab"
+# (`Experts.swap_ab_single`);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
@@ -121,14 +123,13 @@ _RELAID = ModelArgs.fp4_relaid  # the default
 _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
-         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST, "fast-w2swap": _FAST,
-         "fast-f64k": _FAST,
-         "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
+         "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST,
+         "fast-swapsingle": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it turns on
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
               "fast-onedot": ("experts_one_dot",), "fast-swapab": ("experts_one_dot", "experts_swap_ab"),
-              "fast-w2swap": ("experts_w2_swap_ab",),
+              "fast-swapsingle": ("experts_swap_ab_single",),
               "fast-f64k": ("attn_f64_kernel",), "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
@@ -311,8 +312,9 @@ def random_model(args: ModelArgs, seed: int = 0):
 def with_path_flags(graphdef, state, path: str):
     """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
     `Experts.one_row`, "fast-streamk": `Experts.stream_k`, "fast-onedot": `Experts.one_dot`, "fast-swapab":
-    `Experts.one_dot` and `Experts.swap_ab`, "fast-w2swap": `Experts.w2_swap_ab`, "fast-f64k":
-    `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`, "fast-rows": both); other paths unchanged."""
+    `Experts.one_dot` and `Experts.swap_ab`, "fast-swapsingle": `Experts.swap_ab_single`, "fast-f64k":
+    `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`,
+    "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)

@@ -217,8 +217,10 @@ class Experts(nnx.Module):
     as their first operand (`expert_matmul.BlockSizes.swap_ab`: on sm_90 wgmma with the decoded
     registers as its A operand; fp32 sums in another order); on an H100 with `one_dot` w2 11%
     faster and the fused w1 + w3 14% slower (benchmarks/README.md, thirty-eighth session).
-    `w2_swap_ab` (off; set on the module to try it): the launches of w2 alone take `swap_ab` and
-    `one_dot` (the measured gain), the fused w1 + w3 and prefill's w1 / w3 launches keep theirs.
+    `swap_ab_single` (off; set on the module to try it): the kernel's launches of one weight
+    matrix (w2; w1 and w3 where prefill launches them apart) take `swap_ab` and `one_dot`, the
+    fused w1 + w3 keeps the defaults (`expert_matmul.BlockSizes.swap_ab_single`; on an H100 w2 11%
+    faster at one token, prefill's w1 6% and w2 4%, outputs bit-identical there).
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -239,7 +241,7 @@ class Experts(nnx.Module):
         self.stream_k = False
         self.one_dot = False
         self.swap_ab = False
-        self.w2_swap_ab = False
+        self.swap_ab_single = False
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -342,7 +344,7 @@ class Experts(nnx.Module):
         def matmul(rows, lins):
             return expert_matmul.grouped_matmul(rows, *_packed(lins), te, row0, valid, c,
                                                 implementation=self.kernels, interpret=self.kernels_interpret,
-                                                block_sizes=self.block_sizes(lins))
+                                                block_sizes=self.block_sizes())
 
         y = self.kernel_ffn(x_sorted, w_sorted, matmul)[:r]
         # rows no live tile covers (pairs of another device's experts) are undefined on the kernel path
@@ -360,13 +362,11 @@ class Experts(nnx.Module):
         h = swiglu(lin(self.w1, x), lin(self.w3, x), self.swiglu_limit, weights, out_dtype=x.dtype)
         return lin(self.w2, h)
 
-    def block_sizes(self, linears: tuple = ()) -> expert_matmul.BlockSizes:
-        """The fp4 kernel's options for a launch of `linears` (this module's Linears): its
-        defaults, with `scale_fold` when the scales allow it and `one_row`, `stream_k`, `one_dot`
-        and `swap_ab` when set; `w2_swap_ab` adds the last two to a launch of w2 alone."""
-        w2_alone = self.w2_swap_ab and len(linears) == 1 and linears[0] is self.w2
-        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row,
-                                        one_dot=self.one_dot or w2_alone, swap_ab=self.swap_ab or w2_alone,
+    def block_sizes(self) -> expert_matmul.BlockSizes:
+        """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
+        `one_row`, `stream_k`, `one_dot`, `swap_ab` and `swap_ab_single` when set."""
+        return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row, one_dot=self.one_dot,
+                                        swap_ab=self.swap_ab, swap_ab_single=self.swap_ab_single,
                                         decode="relaid" if self._relaid else None,
                                         stream_k=expert_matmul.TARGET_PROGRAMS if self.stream_k else 0)
 
@@ -470,7 +470,7 @@ class MoE(nnx.Module):
 
             def matmul(x, lins):
                 return expert_matmul.gather_matmul(x, *_packed(lins), e, implementation=ex.kernels, interpret=interp,
-                                                   block_sizes=ex.block_sizes(lins))
+                                                   block_sizes=ex.block_sizes())
 
             return ex.kernel_ffn(jnp.repeat(xq, k, axis=0), weights.reshape(-1), matmul)
         w1, w3, w2 = ex.dense(indices.reshape(-1))

@@ -447,9 +447,10 @@ MODULE_SWITCHES = {
                                              "the 8 decoded code positions (GPU kernel only)")),
     "experts_swap_ab": (Experts, "swap_ab", ("the routed experts' tensor-core dots with the decoded weight tile "
                                              "as the first operand (GPU kernel only)")),
-    "experts_w2_swap_ab": (Experts, "w2_swap_ab", ("the routed experts' w2 launches alone with the decoded weight "
-                                                   "tile as the dots' first operand and one dot a K step (GPU "
-                                                   "kernel only)")),
+    "experts_swap_ab_single": (Experts, "swap_ab_single", ("the routed experts' launches of one weight matrix "
+                                                           "(w2; w1, w3 unfused) with the decoded weight tile as "
+                                                           "the dots' first operand and one dot a K step (GPU "
+                                                           "kernel only)")),
     "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
                                                "gate's logits launch (GPU kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "

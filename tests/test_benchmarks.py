@@ -72,7 +72,7 @@ def test_flag_paths_set_every_module_of_their_class():
     module, which their kernel options carry; `fast` leaves them off."""
     assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast-f64k"] == model_speed.PATHS["fast"]
     assert model_speed.PATHS["fast-streamk"] == model_speed.PATHS["fast-onedot"] == model_speed.PATHS["fast"]
-    assert model_speed.PATHS["fast-swapab"] == model_speed.PATHS["fast-w2swap"] == model_speed.PATHS["fast"]
+    assert model_speed.PATHS["fast-swapab"] == model_speed.PATHS["fast-swapsingle"] == model_speed.PATHS["fast"]
     args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
     graphdef, state = model_speed.random_model(args)
     plain = nnx.merge(graphdef, state)
@@ -81,15 +81,15 @@ def test_flag_paths_set_every_module_of_their_class():
     sk = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-streamk"))
     od = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onedot"))
     sw = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-swapab"))
-    w2s = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-w2swap"))
+    single = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-swapsingle"))
     for i in range(args.n_layers):
         assert plain.layers[i].ffn.experts.block_sizes().one_dot is False
         assert od.layers[i].ffn.experts.block_sizes().one_dot is True
         assert plain.layers[i].ffn.experts.block_sizes().swap_ab is od.layers[i].ffn.experts.block_sizes().swap_ab is False
         assert sw.layers[i].ffn.experts.block_sizes().swap_ab is sw.layers[i].ffn.experts.block_sizes().one_dot is True
-        ex = w2s.layers[i].ffn.experts
-        for lins, on in (((ex.w1, ex.w3), False), ((ex.w1,), False), ((ex.w2,), True), ((), False)):
-            assert ex.block_sizes(lins).swap_ab is ex.block_sizes(lins).one_dot is on, (i, len(lins), on)
+        assert single.layers[i].ffn.experts.block_sizes().swap_ab_single is True
+        assert not plain.layers[i].ffn.experts.block_sizes().swap_ab_single
+        assert not sw.layers[i].ffn.experts.block_sizes().swap_ab_single
         assert od.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert plain.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert sk.layers[i].ffn.experts.block_sizes().stream_k == 264

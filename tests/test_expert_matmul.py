@@ -948,16 +948,31 @@ def test_moe_swap_ab_switch_reaches_the_gather_launches(monkeypatch):
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
 
 
-@pytest.mark.parametrize("path", ["gather", "grouped"])
-def test_moe_w2_swap_ab_switch_reaches_the_w2_launches_alone(monkeypatch, path):
-    """`Experts.w2_swap_ab` hands `swap_ab` and `one_dot` to the launches of w2 alone (the gather
-    path's and the grouped path's), the fused w1 + w3 keeps the defaults; the MoE's outputs match
-    the jnp path as the default tiles' do."""
-    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 5 if path == "gather" else 37, 128)), jnp.bfloat16)
-    seen, a, b, _ = _switched_moe(monkeypatch, "w2_swap_ab", "swap_ab", x, path=path)
-    assert seen == [False, True], seen  # w1 + w3 fused (tiles of <= 16 rows), then w2
+@pytest.mark.parametrize(("tokens", "seen_want"), [(5, [False, True]), (37, [False, True]), (300, [True, True, True])])
+def test_moe_swap_ab_single_switch_reaches_the_single_weight_launches(monkeypatch, tokens, seen_want):
+    """`Experts.swap_ab_single` hands `swap_ab` to the launches of one weight matrix: w2 after the
+    fused w1 + w3 of 16-row tiles (the gather path at 5 tokens, the grouped path at 37), and w1,
+    w3 and w2 alike where 64-row tiles launch them apart (300 tokens); the MoE's outputs match the
+    jnp path as the default tiles' do."""
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, tokens, 128)), jnp.bfloat16)
+    path = "gather" if tokens == 5 else "grouped"
+    seen, a, b, _ = _switched_moe(monkeypatch, "swap_ab_single", "swap_ab", x, path=path)
+    assert seen == seen_want, seen
     d = ulps(a, b)
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+
+
+def test_swap_ab_single_resolves_by_fusion():
+    """`BlockSizes.swap_ab_single` turns `swap_ab` and `one_dot` on where a launch carries one
+    weight matrix (one stack, or a tuple launched apart) with tensor-core tiles, and leaves a fused
+    tuple and one-row programs alone."""
+    bs = api.BlockSizes(swap_ab_single=True)
+    for rows, weights, on in ((16, 1, True), (16, 2, False), (64, 2, True), (64, 1, True), (1, 1, False)):
+        r = bs.resolved(rows, 2304, 5120, weights=weights)
+        assert r.swap_ab is r.one_dot is on, (rows, weights, r)
+    r = api.BlockSizes(swap_ab_single=True, fuse=False).resolved(16, 2304, 5120, weights=2)
+    assert r.swap_ab and r.one_dot
+    assert not api.BlockSizes().resolved(64, 2304, 5120).swap_ab
 
 
 def test_moe_one_dot_switch_reaches_the_grouped_launches(monkeypatch):

@@ -97,7 +97,15 @@ class BlockSizes:
       waits for it before the next tile (no overlap of decode and MMA inside a program), and its
       shared memory (116 KB at 3 stages of 512) holds one program an SM where the default holds
       two: its 216 one-token programs take 1.64 waves instead of 0.82 (`benchmarks.triton_sass`,
-      "programs / SM"); w2's 480 keep 4 an SM either way.
+      "programs / SM"); w2's 480 keep 4 an SM either way. None of the fused launch's residency
+      variants beat its default on an H100 (thirty-ninth session: 2 stages 46.18, block_k 256
+      43.95 against 42.17 µs; 64 tokens +11%, +4% at block_k 256).
+    swap_ab_single: `swap_ab` and `one_dot` for the launches of one weight matrix alone (w2, and
+      w1 / w3 where they are not fused: tiles of more than 16 rows), the fused w1 + w3 launch
+      keeps the defaults. Timed on an H100 (thirty-ninth session, device time a launch, outputs
+      bit-identical to the default's at every site): w2 23.42 -> 20.85 µs at one token (-11%),
+      662.5 -> 661.0 at 64 tokens; a 4096-token prefill's w1 3588 -> 3364 µs (-6.2%) and w2
+      3603 -> 3444 (-4.4%). Off until a decode-loop and prefill A/B confirm it in the model.
     one_row: the gather path (one (token, expert) pair a tile: decode at up to 64 pairs) runs
       one-row programs without tensor cores (kernel_gpu's docstring) instead of 16-row
       tensor-core tiles of which 15 rows are padding. Same products, fp32 sums in another order.
@@ -145,14 +153,16 @@ class BlockSizes:
     mask_x: bool = True
     one_dot: bool = False
     swap_ab: bool = False
+    swap_ab_single: bool = False
     scale_fold: bool = False
     one_row: bool = False
     k_splits: int | None = None
     stream_k: int = 0
 
-    def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 0) -> BlockSizes:
-        """Tiles for `tiles` tiles of `rows` rows times [n, k] matrices (`tiles` only sets one-row
-        K splits; 0: unknown, no split)."""
+    def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 0,
+                 weights: int = 1) -> BlockSizes:
+        """Tiles for `tiles` tiles of `rows` rows times `weights` [n, k] matrices (`tiles` only sets
+        one-row K splits; 0: unknown, no split; `weights` > 1: a tuple, fused or not by `fuse`)."""
         # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
         # MMA tiles. Defaults halve until they divide the shape (the kernel rejects what still
         # does not).
@@ -168,9 +178,11 @@ class BlockSizes:
                 k_splits = split_for_waves(tiles * (n // block_n), max(k // block_k, 1), TARGET_PROGRAMS,
                                            MIN_WAVE_FILL)
         stream_k = self.stream_k if k_splits == 1 and 0 < tiles * (n // block_n) < 2 * self.stream_k else 0
+        single = self.swap_ab_single and (weights == 1 or not fuse)
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
-                                   fuse=fuse, one_dot=self.one_dot and rows > 1, swap_ab=self.swap_ab and rows > 1,
-                                   k_splits=k_splits, stream_k=stream_k)
+                                   fuse=fuse, one_dot=(self.one_dot or single) and rows > 1,
+                                   swap_ab=(self.swap_ab or single) and rows > 1, k_splits=k_splits,
+                                   stream_k=stream_k)
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
@@ -210,7 +222,8 @@ def _kernel_or_none(x, w, s, te, row0, valid, rows, interpret, block_sizes):
     shape the kernel refuses); callers check `gpu_kernel` first."""
     many = _many(w, s)
     w0 = w[0] if many else w
-    bs = (block_sizes or BlockSizes()).resolved(rows, w0.shape[1], x.shape[1], interpret, tiles=te.shape[0])
+    bs = (block_sizes or BlockSizes()).resolved(rows, w0.shape[1], x.shape[1], interpret, tiles=te.shape[0],
+                                                weights=len(w) if many else 1)
 
     def call(w, s):
         out = kernel_gpu.expert_matmul(x.astype(jnp.bfloat16), w, s, te, row0, valid, rows=rows,
