@@ -195,6 +195,13 @@ class TestKernelInterpretSwapAB(GatherBase):
     block_sizes = api.BlockSizes(swap_ab=True, one_dot=True)
 
 
+class TestKernelInterpretSwapABSingle(GatherBase):
+    # swap_ab + one_dot on the launches of one weight matrix alone, fused tuples as before
+    implementation = "pallas"
+    interpret = True
+    block_sizes = api.BlockSizes(swap_ab_single=True)
+
+
 class TestKernelInterpretOneRow(GatherBase):
     # the gather path's pairs as one-row programs without tensor cores (the grouped path keeps
     # its tiles)
@@ -409,6 +416,11 @@ class TestKernelGPUSwapAB(TestKernelGPU):
 @needs_gpu
 class TestKernelGPUSwapABOneDot(TestKernelGPU):
     block_sizes = api.BlockSizes(swap_ab=True, one_dot=True)
+
+
+@needs_gpu
+class TestKernelGPUSwapABSingle(TestKernelGPU):
+    block_sizes = api.BlockSizes(swap_ab_single=True)
 
 
 @needs_gpu
