@@ -1284,6 +1284,7 @@ def main(argv=None) -> int:
                         "fast-released / fast-relaid (fp4_relaid off / auto), fast-onerow (one-row expert gather), "
                         "fast-streamk (stream-K expert launches), fast-onedot (one dot a K step in the expert tiles), "
                         "fast-swapab (and the weight tile as the dots' first operand), "
+                        "fast-swapsingle (fast-swapab's options on the single-weight launches only), "
                         "fast-f64k (float64 attention kernel), "
                         "fast-gatenorm, fast-kvrow, fast-rows (module switches), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
