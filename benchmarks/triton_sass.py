@@ -264,7 +264,8 @@ def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> dict:
 
 def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     n, k, g, rows = SITES[site]
-    ir, kw = expert_ir(n, k, g, rows, **variant)
+    rows = variant.get("rows", rows)  # a variant may set the tile's rows (e.g. 128 at prefill)
+    ir, kw = expert_ir(n, k, g, rows, **{key: v for key, v in variant.items() if key != "rows"})
     if fuse_accumulate:
         ir, fused = fuse_dot_add(ir)
         if not fused:
