@@ -56,8 +56,9 @@ experts' launches of under two waves split evenly over the SMs (`Experts.stream_
 `expert_matmul.BlockSizes.stream_k`); `fast-onedot` is `fast` with the routed experts' tensor-core
 tiles as one dot a K step (`Experts.one_dot`, `expert_matmul.BlockSizes.one_dot`); `fast-swapab`
 is `fast-onedot` with the decoded weight tile as the dots' first operand (`Experts.swap_ab`,
-`expert_matmul.BlockSizes.swap_ab`); `fast-swapsingle` is `fast` with the launches of one weight
-matrix as in `fast-swapab` (`Experts.swap_ab_single`); `fast-f64k` is `fast` with the float64
+`expert_matmul.BlockSizes.swap_ab`); `fast-noswapsingle` is `fast` with the launches of one weight
+matrix back on the fused launch's tiles (`Experts.swap_ab_single` off: no `swap_ab`, no `one_dot`
+there); `fast-f64k` is `fast` with the float64
 attention on the GPU kernel's float64 program instead of the jnp reference (`Attention.f64_kernel`,
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
@@ -113,8 +114,8 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-streamk": "fast" with the routed experts' small launches split stream-K (`Experts.stream_k`);
 # "fast-onedot": "fast" with the routed experts' tensor-core tiles as one dot a K step (`Experts.one_dot`);
 # "fast-swapab": "fast-onedot" with the decoded weight tile as the dots' first operand (`Experts.swap_ab`);
-# "fast-swapsingle": "fast" with the launches of one weight matrix as in "fast-swapab"
-# (`Experts.swap_ab_single`);
+# "fast-noswapsingle": "fast" with the launches of one weight matrix without "fast-swapab"'s options
+# (`Experts.swap_ab_single` off);
 # "fast-f64k": "fast" with the float64 attention on the GPU kernel (`Attention.f64_kernel`);
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
@@ -124,12 +125,12 @@ _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
          "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST,
-         "fast-swapsingle": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
+         "fast-noswapsingle": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
-# path -> the `parity.MODULE_SWITCHES` it turns on
+# path -> the `parity.MODULE_SWITCHES` it sets
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
               "fast-onedot": ("experts_one_dot",), "fast-swapab": ("experts_one_dot", "experts_swap_ab"),
-              "fast-swapsingle": ("experts_swap_ab_single",),
+              "fast-noswapsingle": ("experts_no_swap_ab_single",),
               "fast-f64k": ("attn_f64_kernel",), "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel")}
 
@@ -310,9 +311,9 @@ def random_model(args: ModelArgs, seed: int = 0):
 
 
 def with_path_flags(graphdef, state, path: str):
-    """(graphdef, state) with the module switches of `PATH_FLAGS[path]` on ("fast-onerow":
+    """(graphdef, state) with the module switches of `PATH_FLAGS[path]` set ("fast-onerow":
     `Experts.one_row`, "fast-streamk": `Experts.stream_k`, "fast-onedot": `Experts.one_dot`, "fast-swapab":
-    `Experts.one_dot` and `Experts.swap_ab`, "fast-swapsingle": `Experts.swap_ab_single`, "fast-f64k":
+    `Experts.one_dot` and `Experts.swap_ab`, "fast-noswapsingle": `Experts.swap_ab_single` off, "fast-f64k":
     `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`,
     "fast-rows": both); other paths unchanged."""
     if path not in PATH_FLAGS:
@@ -1284,7 +1285,7 @@ def main(argv=None) -> int:
                         "fast-released / fast-relaid (fp4_relaid off / auto), fast-onerow (one-row expert gather), "
                         "fast-streamk (stream-K expert launches), fast-onedot (one dot a K step in the expert tiles), "
                         "fast-swapab (and the weight tile as the dots' first operand), "
-                        "fast-swapsingle (fast-swapab's options on the single-weight launches only), "
+                        "fast-noswapsingle (the single-weight launches without them, as the fused one), "
                         "fast-f64k (float64 attention kernel), "
                         "fast-gatenorm, fast-kvrow, fast-rows (module switches), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")

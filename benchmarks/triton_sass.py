@@ -82,11 +82,13 @@ def triton_ir(fn, *args) -> list[str]:
 
 
 def expert_ir(n: int, k: int, g: int, rows: int, **overrides) -> tuple[str, dict]:
-    """(Triton IR, the kernel's keyword arguments) of one expert-kernel launch at the model's
-    defaults for `rows` per tile, with `overrides`."""
+    """(Triton IR, the kernel's keyword arguments) of one expert-kernel launch of `g` weights at the
+    model's defaults for `rows` per tile (one weight: `swap_ab` and `one_dot` by
+    `BlockSizes.swap_ab_single`), with `overrides`."""
     from pallas_kernels.expert_matmul import api, kernel_gpu
 
-    kw = {"rows": rows, **api.BlockSizes().resolved(rows, n, k, interpret=False).kernel_args(), **overrides}
+    kw = {"rows": rows, **api.BlockSizes().resolved(rows, n, k, interpret=False, weights=g).kernel_args(),
+          **overrides}
     n_exp = 3
     x = jnp.zeros((kw["rows"], k), jnp.bfloat16)
     w = jnp.zeros((n_exp, n, k // 2), jnp.int8)

@@ -217,10 +217,13 @@ class Experts(nnx.Module):
     as their first operand (`expert_matmul.BlockSizes.swap_ab`: on sm_90 wgmma with the decoded
     registers as its A operand; fp32 sums in another order); on an H100 with `one_dot` w2 11%
     faster and the fused w1 + w3 14% slower (benchmarks/README.md, thirty-eighth session).
-    `swap_ab_single` (off; set on the module to try it): the kernel's launches of one weight
-    matrix (w2; w1 and w3 where prefill launches them apart) take `swap_ab` and `one_dot`, the
-    fused w1 + w3 keeps the defaults (`expert_matmul.BlockSizes.swap_ab_single`; on an H100 w2 11%
-    faster at one token, prefill's w1 6% and w2 4%, outputs bit-identical there).
+    `swap_ab_single` (on; clear it on the module for the fused launch's tiles everywhere): the
+    kernel's launches of one weight matrix (w2; w1 and w3 where prefill launches them apart) take
+    `swap_ab` and `one_dot`, the fused w1 + w3 keeps the defaults
+    (`expert_matmul.BlockSizes.swap_ab_single`; on an H100 w2 11% faster at one token, prefill's
+    w1 6% and w2 4%, outputs bit-identical there; in the model the decode step 0.9% faster at
+    batch 1, 0.3% at batch 64 and a 4096-token prefill 2.4%, benchmarks/README.md, fortieth
+    session).
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -241,7 +244,7 @@ class Experts(nnx.Module):
         self.stream_k = False
         self.one_dot = False
         self.swap_ab = False
-        self.swap_ab_single = False
+        self.swap_ab_single = True
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -364,7 +367,7 @@ class Experts(nnx.Module):
 
     def block_sizes(self) -> expert_matmul.BlockSizes:
         """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
-        `one_row`, `stream_k`, `one_dot`, `swap_ab` and `swap_ab_single` when set."""
+        `one_row`, `stream_k`, `one_dot` and `swap_ab` when set, `swap_ab_single` unless cleared."""
         return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row, one_dot=self.one_dot,
                                         swap_ab=self.swap_ab, swap_ab_single=self.swap_ab_single,
                                         decode="relaid" if self._relaid else None,

@@ -432,42 +432,46 @@ def encode(port: dict[str, np.ndarray], gs: GoldenSet) -> dict[str, np.ndarray]:
     return out
 
 
-# Module switches that are off by default (each set on every module of its class to try it):
-# name (also the CLI flag, with dashes) -> (class, attribute, what it does)
+# Module switches that move a module attribute off its default (each set on every module of its
+# class to try it): name (also the CLI flag, with dashes) -> (class, attribute, value, what it does)
 MODULE_SWITCHES = {
-    "attn_f64_kernel": (Attention, "f64_kernel", ("float64 attention on the GPU kernel's float64 program instead "
-                                                  "of the jnp reference (GPU only; elsewhere the reference runs "
-                                                  "as before)")),
-    "experts_one_row": (Experts, "one_row", ("the routed experts' decode gather as one-row programs without "
-                                             "tensor cores (GPU kernel only)")),
-    "experts_stream_k": (Experts, "stream_k", ("the routed experts' launches of under two waves (the one-token "
-                                               "decode's) as an even stream-K split over the SMs (GPU kernel "
-                                               "only)")),
-    "experts_one_dot": (Experts, "one_dot", ("the routed experts' tensor-core tiles as one dot a K step on "
-                                             "the 8 decoded code positions (GPU kernel only)")),
-    "experts_swap_ab": (Experts, "swap_ab", ("the routed experts' tensor-core dots with the decoded weight tile "
-                                             "as the first operand (GPU kernel only)")),
-    "experts_swap_ab_single": (Experts, "swap_ab_single", ("the routed experts' launches of one weight matrix "
-                                                           "(w2; w1, w3 unfused) with the decoded weight tile as "
-                                                           "the dots' first operand and one dot a K step (GPU "
-                                                           "kernel only)")),
-    "gate_norm_logits": (Gate, "norm_logits", ("a single row's FFN norm (and the experts' quantiser) inside the "
-                                               "gate's logits launch (GPU kernel only)")),
-    "kv_row_kernel": (Attention, "kv_row_kernel", ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) "
-                                                   "in one launch (GPU kernel only)")),
+    "attn_f64_kernel": (Attention, "f64_kernel", True,
+                        ("float64 attention on the GPU kernel's float64 program instead of the jnp reference "
+                         "(GPU only; elsewhere the reference runs as before)")),
+    "experts_one_row": (Experts, "one_row", True,
+                        ("the routed experts' decode gather as one-row programs without tensor cores (GPU kernel "
+                         "only)")),
+    "experts_stream_k": (Experts, "stream_k", True,
+                         ("the routed experts' launches of under two waves (the one-token decode's) as an even "
+                          "stream-K split over the SMs (GPU kernel only)")),
+    "experts_one_dot": (Experts, "one_dot", True,
+                        ("the routed experts' tensor-core tiles as one dot a K step on the 8 decoded code positions "
+                         "(GPU kernel only)")),
+    "experts_swap_ab": (Experts, "swap_ab", True,
+                        ("the routed experts' tensor-core dots with the decoded weight tile as the first operand "
+                         "(GPU kernel only)")),
+    "experts_no_swap_ab_single": (Experts, "swap_ab_single", False,
+                                  ("the routed experts' launches of one weight matrix (w2; w1, w3 unfused) on the "
+                                   "fused launch's tiles, without swap_ab and one_dot (GPU kernel only)")),
+    "gate_norm_logits": (Gate, "norm_logits", True,
+                         ("a single row's FFN norm (and the experts' quantiser) inside the gate's logits launch "
+                          "(GPU kernel only)")),
+    "kv_row_kernel": (Attention, "kv_row_kernel", True,
+                      ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch (GPU kernel "
+                       "only)")),
 }
 
 
 def set_switches(model: nnx.Module, names) -> None:
-    """Turns the `MODULE_SWITCHES` named in `names` on, on every module of their classes."""
+    """Sets the `MODULE_SWITCHES` named in `names` on every module of their classes."""
     unknown = sorted(set(names) - set(MODULE_SWITCHES))
     if unknown:
         raise ValueError(f"unknown module switches {unknown}; known: {sorted(MODULE_SWITCHES)}")
     for name in names:
-        cls, attr, _ = MODULE_SWITCHES[name]
+        cls, attr, value, _ = MODULE_SWITCHES[name]
         for _, m in nnx.iter_graph(model):
             if isinstance(m, cls):
-                setattr(m, attr, True)
+                setattr(m, attr, value)
 
 
 def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_accumulate: str = "auto",
@@ -476,7 +480,7 @@ def run_parity(gs: GoldenSet, kernels: str = "auto", decode: bool = True, attn_a
     """Everything the port computes teacher-forced on a golden set: the prefill and, where the set
     has decode steps and `decode` holds, both decode runs over caches seeded by the prefill.
     `kernels`, `attn_accumulate`, `fp4_scale_fold`, `fp4_relaid`: the ModelArgs fields; `switches`: names of
-    `MODULE_SWITCHES` to turn on.
+    `MODULE_SWITCHES` to set.
 
     Returns (port arrays keyed like expected.npz, problems (each one a failure), the golden keys
     the port is expected to compute)."""
@@ -533,8 +537,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp4-relaid", choices=("off", "auto", "on"), default="auto",
                    help="ModelArgs.fp4_relaid: the routed experts' fp4 words re-laid at load for the kernel's "
                         "'relaid' decode, bit-identical (auto: where the compiled GPU kernel runs)")
-    for name, (cls, attr, what) in MODULE_SWITCHES.items():
-        p.add_argument("--" + name.replace("_", "-"), action="store_true", help=f"{cls.__name__}.{attr}: {what}")
+    for name, (cls, attr, value, what) in MODULE_SWITCHES.items():
+        p.add_argument("--" + name.replace("_", "-"), action="store_true",
+                       help=f"{cls.__name__}.{attr} = {value}: {what}")
     p.add_argument("--prefill-only", action="store_true", help="skip the decode runs")
     ns = p.parse_args(argv)
     try:

@@ -72,7 +72,7 @@ def test_flag_paths_set_every_module_of_their_class():
     module, which their kernel options carry; `fast` leaves them off."""
     assert model_speed.PATHS["fast-onerow"] == model_speed.PATHS["fast-f64k"] == model_speed.PATHS["fast"]
     assert model_speed.PATHS["fast-streamk"] == model_speed.PATHS["fast-onedot"] == model_speed.PATHS["fast"]
-    assert model_speed.PATHS["fast-swapab"] == model_speed.PATHS["fast-swapsingle"] == model_speed.PATHS["fast"]
+    assert model_speed.PATHS["fast-swapab"] == model_speed.PATHS["fast-noswapsingle"] == model_speed.PATHS["fast"]
     args = model_speed.bench_args(True, 1, 64, *model_speed.PATHS["fast"])
     graphdef, state = model_speed.random_model(args)
     plain = nnx.merge(graphdef, state)
@@ -81,15 +81,15 @@ def test_flag_paths_set_every_module_of_their_class():
     sk = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-streamk"))
     od = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-onedot"))
     sw = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-swapab"))
-    single = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-swapsingle"))
+    nosingle = nnx.merge(*model_speed.with_path_flags(graphdef, state, "fast-noswapsingle"))
     for i in range(args.n_layers):
         assert plain.layers[i].ffn.experts.block_sizes().one_dot is False
         assert od.layers[i].ffn.experts.block_sizes().one_dot is True
         assert plain.layers[i].ffn.experts.block_sizes().swap_ab is od.layers[i].ffn.experts.block_sizes().swap_ab is False
         assert sw.layers[i].ffn.experts.block_sizes().swap_ab is sw.layers[i].ffn.experts.block_sizes().one_dot is True
-        assert single.layers[i].ffn.experts.block_sizes().swap_ab_single is True
-        assert not plain.layers[i].ffn.experts.block_sizes().swap_ab_single
-        assert not sw.layers[i].ffn.experts.block_sizes().swap_ab_single
+        assert nosingle.layers[i].ffn.experts.block_sizes().swap_ab_single is False
+        assert plain.layers[i].ffn.experts.block_sizes().swap_ab_single is True
+        assert sw.layers[i].ffn.experts.block_sizes().swap_ab_single is True
         assert od.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert plain.layers[i].ffn.experts.block_sizes().stream_k == 0
         assert sk.layers[i].ffn.experts.block_sizes().stream_k == 264
@@ -544,14 +544,18 @@ def test_triton_sass_issue_bound_is_the_rate_of_four_warp_instructions_a_clock_a
 
 def test_triton_sass_lowers_the_expert_kernel_for_cuda_without_a_gpu():
     """The Triton IR comes from jax's own Pallas lowering (no GPU, no triton package): one module
-    for the decode tile's fused w1 + w3 launch, at the model's defaults, with the "pairs" PTX."""
+    for the decode tile's fused w1 + w3 launch, at the model's defaults, with the "pairs" PTX; w2's
+    launch of one weight, at its defaults and without `swap_ab_single`'s options."""
     from benchmarks import triton_sass
 
     ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w1+w3 decode"])
     assert (kw["block_n"], kw["block_k"], kw["num_stages"], kw["decode"], kw["rows"]) == (64, 512, 3, "pairs", 16)
     assert ir.count("tt.dot") == 16 and "prmt.b32" in ir  # 8 code positions x 2 weights
     ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"], decode="select", num_warps=8)
-    assert ir.count("tt.dot") == 8 and "prmt.b32" not in ir and kw["num_warps"] == 8
+    # one weight: one dot a K step with the weight tile first by default (BlockSizes.swap_ab_single)
+    assert ir.count("tt.dot") == 1 and kw["swap_ab"] and "prmt.b32" not in ir and kw["num_warps"] == 8
+    ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"], decode="select", one_dot=False, swap_ab=False)
+    assert ir.count("tt.dot") == 8 and "prmt.b32" not in ir
 
 
 def test_programs_per_sm_takes_the_scarcest_resource():
@@ -582,18 +586,23 @@ def test_triton_sass_compiles_the_decode_and_prefill_tiles():
     """With the triton package: the 16-row decode tile multiplies on mma.sync (HMMA, register
     operands: no store of a decoded tile to shared memory in the loop), the 64-row prefill tile
     on wgmma (HGMMA), whose weight operand is stored to shared memory first (STS); with
-    `swap_ab` both take wgmma with the decoded weights as the register operand."""
+    `swap_ab` both take wgmma with the decoded weights as the register operand (the default of
+    single-weight launches, `BlockSizes.swap_ab_single`)."""
     pytest.importorskip("triton")
     from benchmarks import triton_sass
 
-    dec = triton_sass.site_row("w1 decode", {})
+    plain = {"swap_ab": False, "one_dot": False}
+    dec = triton_sass.site_row("w1 decode", plain)
     assert list(dec["mma"]) == ["HMMA.16816"] and dec["sts"] == 0, dec
-    pre = triton_sass.site_row("w1 prefill", {})
+    pre = triton_sass.site_row("w1 prefill", plain)
     assert list(pre["mma"]) == ["HGMMA.64"] and pre["sts"] > 0, pre
-    sel = triton_sass.site_row("w1 decode", {"decode": "select"})
+    pre_default = triton_sass.site_row("w1 prefill", {})["kernel"]  # swap_ab + one_dot by default
+    assert pre_default["swap_ab"] and pre_default["one_dot"] and pre_default | plain == pre["kernel"], pre_default
+    assert triton_sass.site_row("w1+w3 decode", {})["kernel"]["swap_ab"] is False  # fused: not by default
+    sel = triton_sass.site_row("w1 decode", {"decode": "select", **plain})
     assert sel["alu_per_code"] > 2 * dec["alu_per_code"], (sel, dec)
     # the folded scale takes one packed multiply of the pair: fewer ALU operations, a higher issue bound
-    fold = triton_sass.site_row("w1 decode", {"scale_fold": True})
+    fold = triton_sass.site_row("w1 decode", {"scale_fold": True, **plain})
     assert fold["alu_per_code"] < dec["alu_per_code"] and fold["loop_instructions"] < dec["loop_instructions"]
     assert fold["issue_bound"]["weights_tb_s"] > dec["issue_bound"]["weights_tb_s"]
     assert dec["issue_bound"] == triton_sass.issue_bound(dec["loop_instructions"], 4, 64 * (256 + 16), 2 * 16 * 64 * 512)
@@ -670,7 +679,7 @@ def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
     pytest.importorskip("triton")
     from benchmarks import triton_sass
 
-    ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"])
+    ir, kw = triton_sass.expert_ir(*triton_sass.SITES["w2 decode"], swap_ab=False, one_dot=False)
     (tmp_path / "m.ptx").write_text(triton_sass.compile_ir(ir, kw["num_warps"], kw["num_stages"]).asm["ptx"])
     assert triton_sass.main(["--ptx", str(tmp_path / "m.ptx")]) == 0
     out = capsys.readouterr().out

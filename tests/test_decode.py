@@ -489,27 +489,29 @@ def test_parity_cli_passes_the_attention_precision_to_the_model(monkeypatch):
 
 
 def test_parity_cli_sets_the_float64_attention_kernel_and_one_row_experts_on_every_layer(monkeypatch):
-    """`--attn-f64-kernel` sets `Attention.f64_kernel` and `--experts-one-row` `Experts.one_row` on
-    every layer of the loaded model before anything runs (without them, none is set)."""
+    """`--attn-f64-kernel` sets `Attention.f64_kernel`, `--experts-one-row` `Experts.one_row` and
+    `--experts-no-swap-ab-single` clears `Experts.swap_ab_single` (on by default) on every layer of
+    the loaded model before anything runs (without them, none is changed)."""
     seen = []
 
     class Stop(Exception):
         pass
 
     def prefill(model, gs):
-        seen.append([(model.layers[i].attn.attn_block_sizes(), model.layers[i].ffn.experts.block_sizes().one_row)
-                     for i in range(len(model.layers))])
+        seen.append([(model.layers[i].attn.attn_block_sizes(), model.layers[i].ffn.experts.block_sizes().one_row,
+                      model.layers[i].ffn.experts.block_sizes().swap_ab_single) for i in range(len(model.layers))])
         raise Stop
 
     monkeypatch.setattr(parity, "teacher_forced_prefill", prefill)
     golden = str(DATA / "golden" / "tiny-a")
-    for flag in ([], ["--attn-f64-kernel"], ["--experts-one-row"]):
+    for flag in ([], ["--attn-f64-kernel"], ["--experts-one-row"], ["--experts-no-swap-ab-single"]):
         with pytest.raises(Stop):
             parity.main([golden, "--prefill-only", *flag])
-    plain, f64k, one_row = seen
-    assert plain and all(bs is None and not row for bs, row in plain)
-    assert len(f64k) == len(plain) and all(bs.f64_kernel and not row for bs, row in f64k)
-    assert len(one_row) == len(plain) and all(bs is None and row for bs, row in one_row)
+    plain, f64k, one_row, no_single = seen
+    assert plain and all(bs is None and not row and single for bs, row, single in plain)
+    assert len(f64k) == len(plain) and all(bs.f64_kernel and not row and single for bs, row, single in f64k)
+    assert len(one_row) == len(plain) and all(bs is None and row and single for bs, row, single in one_row)
+    assert len(no_single) == len(plain) and all(bs is None and not row and not single for bs, row, single in no_single)
 
 
 def test_parity_cli_reports_a_scale_fold_the_checkpoint_refuses(monkeypatch, capsys):

@@ -195,11 +195,12 @@ class TestKernelInterpretSwapAB(GatherBase):
     block_sizes = api.BlockSizes(swap_ab=True, one_dot=True)
 
 
-class TestKernelInterpretSwapABSingle(GatherBase):
-    # swap_ab + one_dot on the launches of one weight matrix alone, fused tuples as before
+class TestKernelInterpretNoSwapABSingle(GatherBase):
+    # the launches of one weight matrix on the fused launch's tiles too (swap_ab_single off: no
+    # swap_ab, no one_dot anywhere)
     implementation = "pallas"
     interpret = True
-    block_sizes = api.BlockSizes(swap_ab_single=True)
+    block_sizes = api.BlockSizes(swap_ab_single=False)
 
 
 class TestKernelInterpretOneRow(GatherBase):
@@ -419,8 +420,8 @@ class TestKernelGPUSwapABOneDot(TestKernelGPU):
 
 
 @needs_gpu
-class TestKernelGPUSwapABSingle(TestKernelGPU):
-    block_sizes = api.BlockSizes(swap_ab_single=True)
+class TestKernelGPUNoSwapABSingle(TestKernelGPU):
+    block_sizes = api.BlockSizes(swap_ab_single=False)
 
 
 @needs_gpu
@@ -911,13 +912,13 @@ def test_fp4_relaid_is_resolved_where_the_compiled_kernel_runs(monkeypatch):
     assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="auto")).fp4_relaid == "on" and m.experts.relaid
 
 
-def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather"):
+def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather", value: bool = True):
     """(the `kernel_gpu.expert_matmul` `kwarg` values seen, jnp-path output, kernel output, the
-    kernel MoE) of the MoE's `path` on x with `Experts.<switch>` on."""
+    kernel MoE) of the MoE's `path` on x with `Experts.<switch>` set to `value`."""
     from pallas_kernels.expert_matmul import kernel_gpu
 
     m_ref, m_k = _moe("reference"), _moe("pallas")
-    setattr(m_k.experts, switch, True)
+    setattr(m_k.experts, switch, value)
     seen, real = [], kernel_gpu.expert_matmul
     monkeypatch.setattr(kernel_gpu, "expert_matmul", lambda *a, **k: seen.append(k[kwarg]) or real(*a, **k))
     a, _ = m_ref(x, path=path)
@@ -962,15 +963,20 @@ def test_moe_swap_ab_switch_reaches_the_gather_launches(monkeypatch):
 
 @pytest.mark.parametrize(("tokens", "seen_want"), [(5, [False, True]), (37, [False, True]), (300, [True, True, True])])
 def test_moe_swap_ab_single_switch_reaches_the_single_weight_launches(monkeypatch, tokens, seen_want):
-    """`Experts.swap_ab_single` hands `swap_ab` to the launches of one weight matrix: w2 after the
-    fused w1 + w3 of 16-row tiles (the gather path at 5 tokens, the grouped path at 37), and w1,
-    w3 and w2 alike where 64-row tiles launch them apart (300 tokens); the MoE's outputs match the
-    jnp path as the default tiles' do."""
+    """`Experts.swap_ab_single` (on by default) hands `swap_ab` to the launches of one weight
+    matrix: w2 after the fused w1 + w3 of 16-row tiles (the gather path at 5 tokens, the grouped
+    path at 37), and w1, w3 and w2 alike where 64-row tiles launch them apart (300 tokens); the
+    MoE's outputs match the jnp path as the fused launch's tiles do. Cleared, no launch swaps."""
     x = jnp.asarray(np.random.default_rng(9).standard_normal((1, tokens, 128)), jnp.bfloat16)
     path = "gather" if tokens == 5 else "grouped"
+    assert _moe("pallas").experts.swap_ab_single is True
     seen, a, b, _ = _switched_moe(monkeypatch, "swap_ab_single", "swap_ab", x, path=path)
     assert seen == seen_want, seen
     d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+    seen_off, _, b_off, _ = _switched_moe(monkeypatch, "swap_ab_single", "swap_ab", x, path=path, value=False)
+    assert seen_off == [False] * len(seen_want), seen_off
+    d = ulps(a, b_off)
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
 
 
@@ -984,7 +990,8 @@ def test_swap_ab_single_resolves_by_fusion():
         assert r.swap_ab is r.one_dot is on, (rows, weights, r)
     r = api.BlockSizes(swap_ab_single=True, fuse=False).resolved(16, 2304, 5120, weights=2)
     assert r.swap_ab and r.one_dot
-    assert not api.BlockSizes().resolved(64, 2304, 5120).swap_ab
+    assert api.BlockSizes().resolved(64, 2304, 5120).swap_ab  # on by default
+    assert not api.BlockSizes(swap_ab_single=False).resolved(64, 2304, 5120).swap_ab
 
 
 def test_moe_one_dot_switch_reaches_the_grouped_launches(monkeypatch):
