@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import model_speed, tma_probe
+from benchmarks import fp4_mosaic_probe, model_speed, tma_probe
 from dsv41_jax.config import ModelArgs
 from dsv41_jax.numerics import rms_norm
 
@@ -275,6 +275,55 @@ def test_kernel_alone_counts_only_the_time_one_kernel_runs_by_itself():
     events = [("a", 20, 5), ("b", 5, 7), ("a", 0, 10), ("c", 21, 1), ("d", 25, 5)]
     assert kernel_alone(events) == {"a": 5 + 4, "b": 2, "d": 5}
     assert kernel_alone([]) == {}
+
+
+def test_fp4_mosaic_probe_decode_bits_give_every_code_times_every_folded_scale():
+    """benchmarks/fp4_mosaic_probe.py's integer steps (the same functions its kernel applies to
+    register values), run here on numpy: every byte's low and high nibble, as bf16 bits, times
+    the folded scale's bits for every byte 0..128, equals the e2m1 value (`quant.E2M1_VALUES`,
+    element 2j the low nibble) times 2^(b - 127) exactly, and that product is a bf16 value (so the kernel's one
+    bf16 multiply is exact; subnormals included)."""
+    import ml_dtypes
+
+    from dsv41_jax import quant
+
+    def value(bits):
+        return np.asarray(bits).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+
+    b = np.arange(256, dtype=np.int16)
+    lo, hi = fp4_mosaic_probe.decode_bits(b)
+    assert lo.dtype == hi.dtype == np.int16
+    table = np.asarray(quant.E2M1_VALUES, np.float64)  # float64 here: XLA:CPU flushes fp32 subnormals
+    codes = np.stack([table[b & 0x0F], table[(b >> 4) & 0x0F]], -1).reshape(-1)
+    for sb in range(129):
+        want = codes * 2.0 ** (sb - 127)
+        got = np.stack([value(lo), value(hi)], -1).reshape(-1) * value(fp4_mosaic_probe.scale_bits(np.int16(sb)))
+        np.testing.assert_array_equal(got, want, err_msg=f"scale byte {sb}")
+        np.testing.assert_array_equal(got.astype(ml_dtypes.bfloat16).astype(np.float64), got)
+
+
+def test_fp4_mosaic_probe_lowers_for_cuda_and_refuses_what_it_cannot_tile(capsys):
+    """The Mosaic GPU kernels (one warpgroup; a producer and one or two compute warpgroups) build
+    for CUDA on this host (lowering only: values and speed are measured on a GPU by the script,
+    against `reference`); shapes and sites they cannot take are refused by name."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    e, m, n, k = 2, 3, 128, 512
+    x = jax.ShapeDtypeStruct((e, m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+    s_t = jax.ShapeDtypeStruct((e, k // 32, n), jnp.uint8)
+    for kw in ({}, {"block_k": 256, "stages": 2}, {"ws": True}, {"ws": True, "wgs": 1, "block_k": 64}):
+        fn = jax.jit(lambda x, w, s, kw=kw: fp4_mosaic_probe.fp4_matmul_mgpu(x, w, s, **kw))
+        assert "mosaic_gpu" in fn.trace(x, w, s_t).lower(lowering_platforms=("cuda",)).as_text(), kw
+        assert fn.eval_shape(x, w, s_t).shape == (e, m, n)
+    bad = jnp.zeros((e, m, k), jnp.bfloat16), jnp.zeros((e, 96, k // 2), jnp.uint8), jnp.zeros((e, k // 32, 96), jnp.uint8)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        fp4_mosaic_probe.fp4_matmul_mgpu(*bad)
+    with pytest.raises(ValueError, match="unsupported shape"):  # block_k must be 64, 128 or 256
+        fp4_mosaic_probe.fp4_matmul_mgpu(bad[0], jnp.zeros((e, n, k // 2), jnp.uint8),
+                                         jnp.zeros((e, k // 32, n), jnp.uint8), block_k=512)
+    assert fp4_mosaic_probe.parse_site("64x64 w1") == (64, 64, "w1")
+    assert fp4_mosaic_probe.main(["--sites", "6x1 w4"]) == 2
+    assert "--sites" in capsys.readouterr().err
 
 
 def test_tma_probe_refuses_a_bad_stream_shape_with_the_flag_named(capsys):
