@@ -48,8 +48,19 @@ SITES = "6x1 w1,6x1 w2,64x64 w1"
 SHAPES = {"w1": (2304, 5120), "w2": (5120, 2304)}  # released [N, K]
 
 
-def _prepare(x, w, s_t, block_k: int, cta_n: int, what: str):
-    """Shape checks; (x's even and odd columns [E, rows, K/2] bf16 with rows padded to 8, rows)."""
+def byte_order(hk: int) -> np.ndarray:
+    """The byte columns a `bytes8` tile's wgmma operand holds, in operand order: a 32-bit shared
+    memory load gives a thread 4 consecutive bytes of a 16-byte block (the 8-bit wgmma layout),
+    which are read as its two register pairs of the 16-bit layout, columns 2q, 2q + 1 and
+    2q + 8, 2q + 9 of the block (q = lane % 4)."""
+    p = np.arange(16)
+    block = np.where(p < 8, 4 * (p // 2) + p % 2, 4 * ((p - 8) // 2) + 2 + p % 2)
+    return (np.arange(0, hk, 16)[:, None] + block[None]).reshape(-1)
+
+
+def _prepare(x, w, s_t, block_k: int, cta_n: int, what: str, bytes8: bool = False):
+    """Shape checks; (x's even and odd columns [E, rows, K/2] bf16 with rows padded to 8, in the
+    order the weight operand holds them (`byte_order` with bytes8), rows)."""
     e, m, k = x.shape
     if (block_k not in (64, 128, 256) or k % block_k or w.shape != (e, w.shape[1], k // 2)
             or w.shape[1] % cta_n or s_t.shape != (e, k // GROUP, w.shape[1])):
@@ -58,7 +69,12 @@ def _prepare(x, w, s_t, block_k: int, cta_n: int, what: str):
                          "block_k 64, 128 or 256 dividing K)")
     rows = max(8, -(-m // 8) * 8)
     x = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, rows - m), (0, 0)))
-    return x[:, :, 0::2], x[:, :, 1::2], rows
+    xe, xo = x[:, :, 0::2], x[:, :, 1::2]
+    if bytes8:  # within each K step's bk/2 byte columns
+        hk = block_k // 2
+        order = (np.arange(0, k // 2, hk)[:, None] + byte_order(hk)[None]).reshape(-1)
+        xe, xo = xe[:, :, order], xo[:, :, order]
+    return xe, xo, rows
 
 
 def _transforms(plgpu, block_k: int):
@@ -79,14 +95,38 @@ def scale_bits(sb):
     return (sb + 126) << 7
 
 
-def _products(acc_ref, w_sub, xe_tile, xo_tile, scale_row, groups: int) -> None:
+def _load_bytes8(w_sub):
+    """w_sub [64, hk] uint8 in shared memory -> the same registers as a 16-bit-layout operand:
+    32-bit loads (8-bit wgmma layout), each thread's 4 bytes split into its two byte pairs
+    (`byte_order` says which columns they become)."""
+    from jax.experimental import mosaic as _mosaic  # noqa: F401
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    plgpu = _plgpu()
+    shape = tuple(w_sub.shape)
+    raw = plgpu.load(w_sub, (), layout=plgpu.Layout.WGMMA_8BIT)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.uint8, layout=plgpu.Layout.WGMMA))
+    def split(_, arr):
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+        for idx, reg in np.ndenumerate(arr.registers):
+            for h in range(2):
+                regs[(idx[0], 2 * idx[1] + h, *idx[2:])] = mgpu_utils.vector_slice(reg, slice(2 * h, 2 * h + 2))
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=arr.is_signed)
+
+    return split(raw)
+
+
+def _products(acc_ref, w_sub, xe_tile, xo_tile, scale_row, groups: int, bytes8: bool = False) -> None:
     """acc_ref [64, rows] += decoded w_sub [64, 16 * groups] bytes (module docstring) times x's even
-    (lo nibbles) and odd (hi nibbles) columns; scale_row(g) -> the 64 e8m0 bytes of group g."""
+    (lo nibbles) and odd (hi nibbles) columns; scale_row(g) -> the 64 e8m0 bytes of group g.
+    bytes8: the tile read with 32-bit loads (`_load_bytes8`; x's columns permuted to match)."""
     plgpu = _plgpu()
     wl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
     cast = plgpu.layout_cast
-    lo, hi = (cast(v, wl) for v in decode_bits(
-        cast(plgpu.load(w_sub, (), layout=wl, optimized=False).astype(jnp.int16), wl)))
+    raw = _load_bytes8(w_sub) if bytes8 else plgpu.load(w_sub, (), layout=wl, optimized=False)
+    lo, hi = (cast(v, wl) for v in decode_bits(cast(cast(raw, wl).astype(jnp.int16), wl)))
     for g in range(groups):
         sb = cast(plgpu.load(scale_row(g), (), layout=rl, optimized=False).astype(jnp.int16), rl)
         scale = cast(jax.lax.bitcast_convert_type(cast(scale_bits(sb), rl), jnp.bfloat16), rl)
@@ -98,13 +138,14 @@ def _products(acc_ref, w_sub, xe_tile, xo_tile, scale_row, groups: int) -> None:
 
 
 def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int = 128, stages: int = 4,
-                    ws: bool = False, wgs: int = 2) -> jax.Array:
+                    ws: bool = False, wgs: int = 2, bytes8: bool = False) -> jax.Array:
     """x bf16 [E, M, K], w packed e2m1 uint8 [E, N, K/2], s_t e8m0 bytes uint8 [E, K/32, N] (the
     scales transposed; bytes <= 128) -> fp32 [E, M, N] = x[e] @ dequant(w[e])^T (module docstring).
-    ws: a producer warpgroup and `wgs` compute warpgroups a program."""
+    ws: a producer warpgroup and `wgs` compute warpgroups a program. bytes8: 32-bit shared-memory
+    loads of the weight bytes (`_load_bytes8`)."""
     plgpu = _plgpu()
     cta_n = TILE_N * (wgs if ws else 1)
-    xe, xo, rows = _prepare(x, w, s_t, block_k, cta_n, "fp4_matmul_mgpu")
+    xe, xo, rows = _prepare(x, w, s_t, block_k, cta_n, "fp4_matmul_mgpu", bytes8)
     e, m, k = x.shape
     n = w.shape[1]
     hk, groups, steps = block_k // 2, block_k // GROUP, k // block_k
@@ -127,7 +168,7 @@ def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int 
 
         def accumulate(acc_ref):
             def step(_, w_tile, xe_tile, xo_tile, s_tile):
-                _products(acc_ref, w_tile.at[0], xe_tile, xo_tile, lambda g: s_tile.at[0, g], groups)
+                _products(acc_ref, w_tile.at[0], xe_tile, xo_tile, lambda g: s_tile.at[0, g], groups, bytes8)
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=stages, in_specs=specs(ei, nb))(
@@ -149,7 +190,7 @@ def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int 
 
         def step(_, w_tile, xe_tile, xo_tile, s_tile, acc_ref):
             _products(acc_ref, w_tile.at[0, pl.ds(wg * TILE_N, TILE_N)], xe_tile, xo_tile,
-                      lambda g: s_tile.at[0, g, pl.ds(wg * TILE_N, TILE_N)], groups)
+                      lambda g: s_tile.at[0, g, pl.ds(wg * TILE_N, TILE_N)], groups, bytes8)
             plgpu.wgmma_wait(0)
             return acc_ref
 
