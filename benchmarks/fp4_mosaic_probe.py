@@ -138,11 +138,13 @@ def _products(acc_ref, w_sub, xe_tile, xo_tile, scale_row, groups: int, bytes8: 
 
 
 def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int = 128, stages: int = 4,
-                    ws: bool = False, wgs: int = 2, bytes8: bool = False) -> jax.Array:
+                    ws: bool = False, wgs: int = 2, bytes8: bool = False, inflight: int = 0) -> jax.Array:
     """x bf16 [E, M, K], w packed e2m1 uint8 [E, N, K/2], s_t e8m0 bytes uint8 [E, K/32, N] (the
     scales transposed; bytes <= 128) -> fp32 [E, M, N] = x[e] @ dequant(w[e])^T (module docstring).
     ws: a producer warpgroup and `wgs` compute warpgroups a program. bytes8: 32-bit shared-memory
-    loads of the weight bytes (`_load_bytes8`)."""
+    loads of the weight bytes (`_load_bytes8`). inflight (one warpgroup only): wgmma groups left
+    running at the end of a K step (the next step's decode overlaps them; x's tiles released a
+    step late); 0 waits for all."""
     plgpu = _plgpu()
     cta_n = TILE_N * (wgs if ws else 1)
     xe, xo, rows = _prepare(x, w, s_t, block_k, cta_n, "fp4_matmul_mgpu", bytes8)
@@ -151,10 +153,14 @@ def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int 
     hk, groups, steps = block_k // 2, block_k // GROUP, k // block_k
     w_tf, x_tf = _transforms(plgpu, block_k)
 
+    if inflight and (ws or stages < 2):
+        raise ValueError(f"fp4_matmul_mgpu: {inflight=} needs one warpgroup (ws=False) and stages >= 2")
+    late = {"delay_release": 1} if inflight else {}
+
     def specs(ei, nb):
         return [plgpu.BlockSpec((1, cta_n, hk), lambda j: (ei, nb, j), transforms=w_tf),
-                plgpu.BlockSpec((1, rows, hk), lambda j: (ei, 0, j), transforms=x_tf),
-                plgpu.BlockSpec((1, rows, hk), lambda j: (ei, 0, j), transforms=x_tf),
+                plgpu.BlockSpec((1, rows, hk), lambda j: (ei, 0, j), transforms=x_tf, **late),
+                plgpu.BlockSpec((1, rows, hk), lambda j: (ei, 0, j), transforms=x_tf, **late),
                 plgpu.BlockSpec((1, groups, cta_n), lambda j: (ei, j, nb))]
 
     def store(acc, o_smem, o_dst):
@@ -169,10 +175,11 @@ def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int 
         def accumulate(acc_ref):
             def step(_, w_tile, xe_tile, xo_tile, s_tile):
                 _products(acc_ref, w_tile.at[0], xe_tile, xo_tile, lambda g: s_tile.at[0, g], groups, bytes8)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(inflight)
 
             plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=stages, in_specs=specs(ei, nb))(
                 w_hbm, xe_hbm, xo_hbm, s_hbm)
+            plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((TILE_N, rows), jnp.float32))
