@@ -138,15 +138,22 @@ def _products(acc_ref, w_sub, xe_tile, xo_tile, scale_row, groups: int, bytes8: 
 
 
 def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int = 128, stages: int = 4,
-                    ws: bool = False, wgs: int = 2, bytes8: bool = False, inflight: int = 0) -> jax.Array:
+                    ws: bool = False, wgs: int = 2, bytes8: bool = False, inflight: int = 0,
+                    products: bool = True, tiles: int = 1) -> jax.Array:
     """x bf16 [E, M, K], w packed e2m1 uint8 [E, N, K/2], s_t e8m0 bytes uint8 [E, K/32, N] (the
     scales transposed; bytes <= 128) -> fp32 [E, M, N] = x[e] @ dequant(w[e])^T (module docstring).
     ws: a producer warpgroup and `wgs` compute warpgroups a program. bytes8: 32-bit shared-memory
     loads of the weight bytes (`_load_bytes8`). inflight (one warpgroup only): wgmma groups left
     running at the end of a K step (the next step's decode overlaps them; x's tiles released a
-    step late); 0 waits for all."""
+    step late); 0 waits for all. products=False: the same tiles streamed and nothing computed
+    (zeros out; the pipeline's own floor). tiles (with ws): 64-row tiles a compute warpgroup holds
+    (one accumulator each), so a program covers 64 * wgs * tiles rows and reads x's tiles once
+    for all of them."""
     plgpu = _plgpu()
-    cta_n = TILE_N * (wgs if ws else 1)
+    if tiles != 1 and not ws:
+        raise ValueError(f"fp4_matmul_mgpu: {tiles=} needs ws=True")
+    wg_n = TILE_N * tiles  # rows a compute warpgroup holds
+    cta_n = wg_n * (wgs if ws else 1)
     xe, xo, rows = _prepare(x, w, s_t, block_k, cta_n, "fp4_matmul_mgpu", bytes8)
     e, m, k = x.shape
     n = w.shape[1]
@@ -174,8 +181,9 @@ def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int 
 
         def accumulate(acc_ref):
             def step(_, w_tile, xe_tile, xo_tile, s_tile):
-                _products(acc_ref, w_tile.at[0], xe_tile, xo_tile, lambda g: s_tile.at[0, g], groups, bytes8)
-                plgpu.wgmma_wait(inflight)
+                if products:
+                    _products(acc_ref, w_tile.at[0], xe_tile, xo_tile, lambda g: s_tile.at[0, g], groups, bytes8)
+                    plgpu.wgmma_wait(inflight)
 
             plgpu.emit_pipeline(step, grid=(steps,), max_concurrent_steps=stages, in_specs=specs(ei, nb))(
                 w_hbm, xe_hbm, xo_hbm, s_hbm)
@@ -190,16 +198,21 @@ def fp4_matmul_mgpu(x: jax.Array, w: jax.Array, s_t: jax.Array, *, block_k: int 
         ei, nb, wg = jax.lax.axis_index("e"), jax.lax.axis_index("n"), jax.lax.axis_index("wg")
 
         def compute_context(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_N, rows), jnp.float32))
-            def _(acc_ref):
-                eval_pipeline(acc_ref)
-                store(acc_ref[...], o_smem.at[wg], o_hbm.at[ei, pl.ds(nb * cta_n + wg * TILE_N, TILE_N)])
+            @functools.partial(pl.run_scoped, accs=[plgpu.ACC((TILE_N, rows), jnp.float32) for _ in range(tiles)])
+            def _(accs):
+                eval_pipeline(tuple(accs))
+                for i, acc_ref in enumerate(accs):
+                    row0 = nb * cta_n + wg * wg_n + i * TILE_N
+                    store(acc_ref[...], o_smem.at[wg], o_hbm.at[ei, pl.ds(row0, TILE_N)])
 
-        def step(_, w_tile, xe_tile, xo_tile, s_tile, acc_ref):
-            _products(acc_ref, w_tile.at[0, pl.ds(wg * TILE_N, TILE_N)], xe_tile, xo_tile,
-                      lambda g: s_tile.at[0, g, pl.ds(wg * TILE_N, TILE_N)], groups, bytes8)
-            plgpu.wgmma_wait(0)
-            return acc_ref
+        def step(_, w_tile, xe_tile, xo_tile, s_tile, accs):
+            if products:
+                for i, acc_ref in enumerate(accs):
+                    r0 = wg * wg_n + i * TILE_N
+                    _products(acc_ref, w_tile.at[0, pl.ds(r0, TILE_N)], xe_tile, xo_tile,
+                              lambda g, r0=r0: s_tile.at[0, g, pl.ds(r0, TILE_N)], groups, bytes8)
+                plgpu.wgmma_wait(0)
+            return accs
 
         plgpu.emit_pipeline_warp_specialized(
             step, grid=(steps,), memory_registers=40, max_concurrent_steps=stages, wg_axis="wg",
@@ -246,13 +259,18 @@ def operands(key, e: int, m: int, n: int, k: int):
     return x, w, s
 
 
+def relaid(w):
+    """Packed uint8 words -> the Triton kernel's re-laid int8 words (done once, as at load)."""
+    from pallas_kernels.expert_matmul import kernel_gpu
+    return jax.jit(kernel_gpu.relay)(jax.lax.bitcast_convert_type(w, jnp.int8))
+
+
 def triton(x, w, s, decode: str):
-    """The model's kernel on the same work: gather (one row an expert) or grouped 16..64-row tiles."""
-    from pallas_kernels.expert_matmul import api, kernel_gpu
+    """The model's kernel on the same work: gather (one row an expert) or grouped 16..64-row tiles.
+    w: uint8 words as released ("pairs"), or int8 words from `relaid` ("relaid")."""
+    from pallas_kernels.expert_matmul import api
     e, m, k = x.shape
-    wi = jax.lax.bitcast_convert_type(w, jnp.int8)
-    if decode == "relaid":
-        wi = kernel_gpu.relay(wi)
+    wi = jax.lax.bitcast_convert_type(w, jnp.int8) if w.dtype == jnp.uint8 else w
     bs = api.BlockSizes(scale_fold=True, decode=decode)
     xs = x.reshape(e * m, k)
     if m == 1:
@@ -282,11 +300,12 @@ def run(sites, variants, *, check: bool = True, seed: int = 0) -> list[dict]:
         by = e * n * (k // 2 + k // GROUP)
         fl = 2.0 * e * m * n * k
         want = np.asarray(reference(*sets[0])) if check else None
-        impls = [("triton pairs", lambda x, w, s: triton(x, w, s, "pairs")),
-                 ("triton relaid", lambda x, w, s: triton(x, w, s, "relaid"))]
+        sets_relaid = [(x, relaid(w), s) for x, w, s in sets]
+        impls = [("triton pairs", lambda x, w, s: triton(x, w, s, "pairs"), sets),
+                 ("triton relaid", lambda x, w, s: triton(x, w, s, "relaid"), sets_relaid)]
         impls += [(f"mosaic {json.dumps(v, sort_keys=True)}",
-                   lambda x, w, s, v=v: fp4_matmul_mgpu(x, w, jnp.swapaxes(s, 1, 2), **v)) for v in variants]
-        for name, fn in impls:
+                   lambda x, w, s, v=v: fp4_matmul_mgpu(x, w, jnp.swapaxes(s, 1, 2), **v), sets) for v in variants]
+        for name, fn, fn_sets in impls:
             row = {"name": f"fp4 probe {site} {name}", "bytes": by, "flops": fl, "ceiling": "hbm"}
             try:
                 if check and name.startswith("mosaic"):
@@ -294,7 +313,7 @@ def run(sites, variants, *, check: bool = True, seed: int = 0) -> list[dict]:
                     row["max_abs_err"] = float(np.max(np.abs(got - want)))
                     row["max_ref"] = float(np.max(np.abs(want)))
                     row["bit_identical"] = float(np.mean(got.view(np.uint32) == want.view(np.uint32)))
-                t = _time(fn, lambda j, sets=sets: sets[j], inner=inner, reps=5)[1]
+                t = _time(fn, lambda j, fn_sets=fn_sets: fn_sets[j], inner=inner, reps=5)[1]
                 row |= {"seconds": t, "fraction_of_ceiling": by / t / bw, "tflops": fl / t / 1e12}
             except Exception as exc:  # noqa: BLE001 (a variant that does not compile or fit is a result)
                 row["error"] = repr(exc)[:500]

@@ -312,7 +312,8 @@ def test_fp4_mosaic_probe_lowers_for_cuda_and_refuses_what_it_cannot_tile(capsys
     w = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
     s_t = jax.ShapeDtypeStruct((e, k // 32, n), jnp.uint8)
     for kw in ({}, {"block_k": 256, "stages": 2}, {"ws": True}, {"ws": True, "wgs": 1, "block_k": 64},
-               {"bytes8": True}, {"ws": True, "bytes8": True, "block_k": 256}, {"inflight": 4, "bytes8": True}):
+               {"bytes8": True}, {"ws": True, "bytes8": True, "block_k": 256}, {"inflight": 4, "bytes8": True},
+               {"ws": True, "wgs": 1, "tiles": 2}, {"ws": True, "products": False}):
         fn = jax.jit(lambda x, w, s, kw=kw: fp4_mosaic_probe.fp4_matmul_mgpu(x, w, s, **kw))
         assert "mosaic_gpu" in fn.trace(x, w, s_t).lower(lowering_platforms=("cuda",)).as_text(), kw
         assert fn.eval_shape(x, w, s_t).shape == (e, m, n)
@@ -325,6 +326,9 @@ def test_fp4_mosaic_probe_lowers_for_cuda_and_refuses_what_it_cannot_tile(capsys
     with pytest.raises(ValueError, match="inflight=1 needs one warpgroup"):
         fp4_mosaic_probe.fp4_matmul_mgpu(bad[0], jnp.zeros((e, n, k // 2), jnp.uint8),
                                          jnp.zeros((e, k // 32, n), jnp.uint8), ws=True, inflight=1)
+    with pytest.raises(ValueError, match="tiles=2 needs ws=True"):
+        fp4_mosaic_probe.fp4_matmul_mgpu(bad[0], jnp.zeros((e, n, k // 2), jnp.uint8),
+                                         jnp.zeros((e, k // 32, n), jnp.uint8), tiles=2)
     assert fp4_mosaic_probe.parse_site("64x64 w1") == (64, 64, "w1")
     # bytes8: thread q of a row holds bytes 4q..4q+3 of each 16-byte block and reads them as the
     # 16-bit operand's columns 2q, 2q+1 (bytes 4q, 4q+1) and 2q+8, 2q+9 (bytes 4q+2, 4q+3)
