@@ -11,8 +11,8 @@ token, drawn at random; one token takes the gather path, more the grouped path w
 `tile_rows_for`'s tiles), weights "w1+w3" (one fused launch at decode tiles), "w1" or "w2";
 "p<tokens>" is the same for a prefill. Random packed weights for all 384 experts, scale bytes
 118..128 (so the scale fold is on, as for the released checkpoint). A variant is a dict of
-`expert_matmul.BlockSizes` fields over the model's defaults; `{"decode": "relaid"}` runs on
-copies of the weights re-laid by `kernel_gpu.relay`.
+`expert_matmul.BlockSizes` fields over the model's defaults, and `"rows"` the grouped path's
+rows a tile; `{"decode": "relaid"}` runs on copies of the weights re-laid by `kernel_gpu.relay`.
 
 Timing: every call reads other random experts (distinct inputs per call, so L2 holds none of
 them), `benchmarks.kernels._time`'s device time a call from a profiler trace; the variants run
@@ -57,10 +57,11 @@ def parse_site(site: str) -> tuple[int, str]:
     return int(head[1:]), weights
 
 
-def launch(tokens: int, n_exp: int, interpret: bool, bs: api.BlockSizes):
-    """f(x [P, K], ids [P], w, s) -> the site's routed launch(es) for P = 6 * tokens pairs."""
+def launch(tokens: int, n_exp: int, interpret: bool, bs: api.BlockSizes, rows: int | None = None):
+    """f(x [P, K], ids [P], w, s) -> the site's routed launch(es) for P = 6 * tokens pairs; rows:
+    the grouped path's rows a tile (default `api.tile_rows_for`)."""
     pairs = tokens * TOP_K
-    c = api.tile_rows_for(pairs, n_exp)
+    c = rows or api.tile_rows_for(pairs, n_exp)
 
     def f(x, ids, w, s):
         if tokens == 1:
@@ -105,11 +106,12 @@ def run(sites, variants, rounds: int, once: bool, dims=(5120, 2304), n_exp: int 
         for r in range(1 if once else rounds):
             order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
             for i in order:
-                variant = variants[i]
+                variant = dict(variants[i])
+                tile_rows = variant.pop("rows", None)
                 src = relaid if variant.get("decode") == "relaid" else w
                 ws = tuple(src[nm][0] for nm in names)
                 ss = tuple(src[nm][1] for nm in names)
-                f = launch(tokens, n_exp, interpret, api.BlockSizes(scale_fold=True, **variant))
+                f = launch(tokens, n_exp, interpret, api.BlockSizes(scale_fold=True, **variant), tile_rows)
                 if r == 0:
                     first[i] = jax.block_until_ready(jax.jit(f)(*sets[0], ws, ss))
                 if not once:
