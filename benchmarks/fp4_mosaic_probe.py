@@ -3,7 +3,9 @@ the wgmma's A operand, against the Triton kernel the model runs (pallas_kernels/
 on the same work. No product path uses these kernels; they measure whether a Mosaic GPU kernel
 (bulk asynchronous copies, a producer warpgroup beside the compute warpgroups) lifts the routed
 experts above the Triton kernel's 55-83% of copy bandwidth at decode and ~170 TFLOP/s in a
-prefill (benchmarks/README.md, forty-first session).
+prefill. Measured on an H100 (benchmarks/README.md, forty-first session): 1.5x slower than the
+Triton kernel at decode, where the TMA pipeline alone is within 8% of the Triton kernel's time,
+and at best equal on the prefill's 64-row tiles (three compute warpgroups a program).
 
     PYTHONPATH=. python -m benchmarks.fp4_mosaic_probe [--sites "6x1 w1,6x1 w2,64x64 w1"]
         [--variants '[{}, {"ws": 1, "wgs": 2}]'] [--json PATH]
