@@ -101,7 +101,6 @@ def _load_bytes8(w_sub):
     """w_sub [64, hk] uint8 in shared memory -> the same registers as a 16-bit-layout operand:
     32-bit loads (8-bit wgmma layout), each thread's 4 bytes split into its two byte pairs
     (`byte_order` says which columns they become)."""
-    from jax.experimental import mosaic as _mosaic  # noqa: F401
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     plgpu = _plgpu()
