@@ -141,6 +141,10 @@ def main(argv=None) -> int:
     variants = json.loads(ns.variants)
     if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants) or not variants:
         p.error("--variants must be a JSON list of dicts of expert_matmul.BlockSizes fields")
+    for v in variants:
+        r = v.get("rows")
+        if r is not None and (not isinstance(r, int) or r < 16 or r % 16):
+            p.error(f"--variants: \"rows\" must be a multiple of 16 (rows a grouped tile), got {r!r}")
     sites = [s.strip() for s in ns.sites.split(",") if s.strip()]
     try:
         for s in sites:

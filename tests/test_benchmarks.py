@@ -963,7 +963,7 @@ def test_expert_launches_tiny_rows(tmp_path):
     """`benchmarks.expert_launches` on tiny shapes (interpret mode on the CPU): a row per site and
     variant with the distinct experts' bytes and the launch's FLOPs; the re-laid weights give the
     released layout's outputs (here through the reference fallback, which puts them back);
-    malformed sites are refused."""
+    malformed sites and tile rows are refused."""
     from benchmarks import expert_launches
 
     out = tmp_path / "e.json"
@@ -977,3 +977,10 @@ def test_expert_launches_tiny_rows(tmp_path):
     assert all(r["same_as_first"] for r in rows[:2])
     with pytest.raises(ValueError, match="site"):
         expert_launches.parse_site("x1 w1")
+    # a variant's "rows" (the grouped path's rows a tile): 128-row tiles give the 64-row tiles'
+    # outputs bit for bit; a row count the tiles cannot take is refused by flag
+    assert expert_launches.main(["--tiny", "--once", "--sites", "p64 w1", "--json", str(out),
+                                 "--variants", '[{}, {"rows": 128, "num_warps": 8}]']) == 0
+    assert [r["same_as_first"] for r in json.loads(out.read_text())["rows"]] == [True, True]
+    with pytest.raises(SystemExit):
+        expert_launches.main(["--tiny", "--variants", '[{"rows": 24}]'])
