@@ -142,8 +142,15 @@ class GatherBase:
         check_oracle(gate, x, np_dense(w1_np, s1_np)[np.asarray(ids)])
         check_oracle(up, x, np_dense(w3_np, s3_np)[np.asarray(ids)])
         for got, (w, s) in ((gate, (w1, s1)), (up, (w3, s3))):
-            alone = _gather(x, w, s, e, **kw)
-            np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(alone).view(np.uint16))
+            alone = np.asarray(_gather(x, w, s, e, **kw)).view(np.int16).astype(np.int32)
+            got = np.asarray(got).view(np.int16).astype(np.int32)
+            if self.interpret:
+                # XLA:CPU's dots (interpret mode) block K by the host's cache sizes, so the fused
+                # program's fp32 sums may take another order: measured on an AMD EPYC host, 1 of
+                # 1344 outputs one bf16 step apart (same sign, so adjacent bit patterns)
+                assert np.abs(got - alone).max() <= 1
+            else:
+                np.testing.assert_array_equal(got, alone)
 
     def test_grouped_of_two_weights_gives_each_weights_product(self):
         n_exp, n, k, ids, c = GROUPED_CASES["empty_experts_and_dead_tiles"]
@@ -720,11 +727,14 @@ def test_block_size_defaults():
     # released w1 (N 2304, K 5120) and w2 (N 5120, K 2304) at decode tiles: 64-column blocks
     one, w2 = api.BlockSizes().resolved(16, 2304, 5120), api.BlockSizes().resolved(16, 5120, 2304)
     assert (one.block_n, one.block_k, w2.block_n, w2.block_k) == (64, 512, 64, 256)
-    big = api.BlockSizes().resolved(128, 2304, 5120)  # prefill tiles: 128 x 128 fits shared memory
-    assert (big.block_n, big.block_k) == (128, 128)
-    # three pipeline stages for decode tiles, two for prefill tiles; an explicit choice is kept
-    assert (one.num_stages, big.num_stages, api.BlockSizes().resolved(64, 2304, 5120).num_stages) == (3, 2, 2)
+    # prefill tiles (64 or 128 rows): 256 x 128 blocks, 8 warps; decode tiles 4 warps
+    big, mid = api.BlockSizes().resolved(128, 2304, 5120), api.BlockSizes().resolved(64, 2304, 5120)
+    assert (big.block_n, big.block_k, big.num_warps) == (mid.block_n, mid.block_k, mid.num_warps) == (256, 128, 8)
+    assert one.num_warps == 4 and api.BlockSizes().resolved(128, 5120, 2304).block_n == 256  # w2
+    # three pipeline stages everywhere; explicit choices are kept
+    assert (one.num_stages, big.num_stages, mid.num_stages) == (3, 3, 3)
     assert api.BlockSizes(num_stages=4).resolved(128, 2304, 5120).num_stages == 4
+    assert api.BlockSizes(num_warps=4, block_n=128).resolved(128, 2304, 5120).num_warps == 4
     # w1 and w3 in one launch at decode tiles only (a prefill measured 4% slower fused); x masked
     assert (one.fuse, big.fuse, api.BlockSizes(fuse=True).resolved(128, 2304, 5120).fuse) == (True, False, True)
     assert one.mask_x and big.mask_x
@@ -733,8 +743,8 @@ def test_block_size_defaults():
 def test_tile_rows_follow_the_pairs_per_expert():
     e = 384  # released experts; pairs = 6 per token
     assert [api.tile_rows_for(6 * t, e) for t in (1, 8, 64, 256, 1024)] == [16] * 5  # decode batches
-    assert [api.tile_rows_for(6 * t, e) for t in (1025, 4096, 16384)] == [64] * 3  # 17 .. 256 pairs per expert
-    assert api.tile_rows_for(6 * 16385, e) == 128
+    assert [api.tile_rows_for(6 * t, e) for t in (1025, 2048)] == [64] * 2  # 17 .. 32 pairs per expert
+    assert [api.tile_rows_for(6 * t, e) for t in (2049, 4096, 16384)] == [128] * 3
     assert api.tile_rows_for(40, 1) == 64 and api.tile_rows_for(20, 1) == 32  # never above next_pow2(R)
     assert api.tile_rows_for(1, 1) == 16  # tensor-core minimum
 

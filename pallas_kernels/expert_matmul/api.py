@@ -48,7 +48,13 @@ class BlockSizes:
 
     block_n: output columns per program (power of 2 >= 16 dividing N).
     block_k: reduction step (power of 2 >= 128 dividing K; 32-column scale groups stay whole).
-    num_warps, num_stages: Triton launch parameters.
+    num_warps, num_stages: Triton launch parameters. Defaults by rows per tile: up to 16 rows
+      (decode batches) 4 warps, 64-column blocks stepping K by 512, 3 stages; more rows
+      (prefill-sized batches) 8 warps, 256 x 128 blocks, 3 stages. On an H100 the 4096-token
+      prefill's w1 / w2 launches took 3.30 / 3.33 ms in 64-row tiles of 128 x 128 blocks, 4
+      warps, 2 stages (the earlier default), 2.81 / 2.82 in 64-row tiles of the new blocks and
+      2.63 / 2.64 in 128-row ones; 16384 tokens 9.47 / 9.38, 8.25 / 8.10 and 6.75 / 6.75 ms;
+      outputs identical bit for bit (benchmarks/README.md, forty-second session).
     decode: how the codes become bf16 (kernel_gpu's docstring): "select", "subnormal" (five
       integer operations a code through an fp32 subnormal) or "pairs" (inline PTX: a byte permute,
       four integer operations and two packed bf16 multiplies per two codes). With "pairs" the
@@ -66,10 +72,7 @@ class BlockSizes:
     64-column blocks (one token, w1: 26.9 against 35.6 µs with 128 columns, 28.9 with 32; w2
     27.4 against 27.6; eight tokens: w1 140.0 against 147.4 with 32), block_k 512 (1.25-1.3x
     faster than 256 with "pairs"; w2's K 2304 takes 256) and 3 stages (2: 30.1 µs); splitting K
-    over 2-5 programs gains nothing there (27.1-28.1 µs). Larger tiles keep 128 x 128 (a
-    512-deep step would not fit shared memory) with 2 stages (64-row tiles at 4096 tokens: w1
-    3539 against 3613 µs with 3 stages, w2 3343 against 3493; 128-row tiles 4368 against 5283; 4
-    stages and 1 stage slower).
+    over 2-5 programs gains nothing there (27.1-28.1 µs). Larger tiles: see num_warps.
     fuse: a tuple of weights (w1, w3) in one launch whose programs load x once per K step for
       both weight tiles (else one launch per weight). None: fused at <= 16-row tiles (decode),
       one launch each above (prefill).
@@ -150,7 +153,7 @@ class BlockSizes:
     """
     block_n: int | None = None
     block_k: int | None = None
-    num_warps: int = 4
+    num_warps: int | None = None
     num_stages: int | None = None
     decode: str | None = None
     fuse: bool | None = None
@@ -167,12 +170,13 @@ class BlockSizes:
                  weights: int = 1) -> BlockSizes:
         """Tiles for `tiles` tiles of `rows` rows times `weights` [n, k] matrices (`tiles` only sets
         one-row K splits; 0: unknown, no split; `weights` > 1: a tuple, fused or not by `fuse`)."""
-        # few rows: the program streams weight bytes, 64-column blocks; many rows: square-ish
-        # MMA tiles. Defaults halve until they divide the shape (the kernel rejects what still
-        # does not).
-        block_n = self.block_n or fit_block(64 if rows <= 16 else 128, n, 16)
+        # few rows: the program streams weight bytes, 64-column blocks; many rows: 256 x 128
+        # blocks of 8 warps (each decoded weight byte serves all the tile's rows). Defaults
+        # halve until they divide the shape (the kernel rejects what still does not).
+        block_n = self.block_n or fit_block(64 if rows <= 16 else 256, n, 16)
         block_k = self.block_k or fit_block(512 if rows <= 16 else 128, k, 128)
-        num_stages = self.num_stages or (3 if rows <= 16 else 2)
+        num_stages = self.num_stages or 3
+        num_warps = self.num_warps or (4 if rows <= 16 else 8)
         decode = self.decode or ("select" if interpret else "pairs")
         fuse = rows <= 16 if self.fuse is None else self.fuse
         k_splits = self.k_splits
@@ -183,7 +187,8 @@ class BlockSizes:
                                            MIN_WAVE_FILL)
         stream_k = self.stream_k if k_splits == 1 and 0 < tiles * (n // block_n) < 2 * self.stream_k else 0
         single = self.swap_ab_single and (weights == 1 or not fuse)
-        return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages, decode=decode,
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages,
+                                   num_warps=num_warps, decode=decode,
                                    fuse=fuse, one_dot=(self.one_dot or single) and rows > 1,
                                    swap_ab=(self.swap_ab or single) and rows > 1, k_splits=k_splits,
                                    stream_k=stream_k)
@@ -300,14 +305,15 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
 
     Every live tile reads and decodes its expert's whole matrix, so small tiles repeat that work
     and large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows
-    while experts get <= 16 pairs on average (decode batches); 64 up to 256 pairs per expert
-    (prefill of 4096 tokens: 64 on average, so 128-row tiles were half padding; measured on the
-    H200 with the released w1 / w2: 1.49x / 1.60x faster than 128 rows at 4096 tokens, 1.23x /
-    1.28x at 16384; 32 rows: 1.3-1.4x slower than 64), and 128 beyond, where the padding share
-    is small."""
+    while experts get <= 16 pairs on average (decode batches); 64 up to 32 pairs per expert; 128
+    beyond. With `BlockSizes`' blocks for such tiles (256 x 128, 8 warps, 3 stages), on an H100
+    at 4096 tokens (64 pairs per expert on average, binomial counts) 128-row tiles are 1.07x
+    faster than 64-row ones and at 16384 tokens 1.2x (benchmarks/README.md, forty-second
+    session; on 128 x 128 blocks 128-row tiles were no faster than 64 rows with 4 warps and
+    1.37x slower with 8). 17-32 pairs per expert: not measured."""
     if pairs <= 16 * n_experts:
         c = 16
-    elif pairs <= 256 * n_experts:
+    elif pairs <= 32 * n_experts:
         c = 64
     else:
         c = 128
