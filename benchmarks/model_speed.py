@@ -1217,8 +1217,8 @@ def ab_prefill_section(rep, ceil, tiny, pair, lengths, rounds):
     that differ only in module switches (`PATH_FLAGS`): both programs on one copy of the random
     weights, the same prompt, timed in `rounds` rounds (A then B in even rounds, B then A in odd
     ones), each round one warm-up call and the mean of 2 back-to-back calls; fields as `ab_section`'s
-    rows, `tokens_equal` on the last position's greedy token and B's `logits_max_abs_diff` on its
-    logits (float32). Between processes the same prefill moved by up to 4% (107-112 ms at 4096
+    rows, `tokens_equal` on the last position's greedy token and B's `logits_max_abs_diff` on that
+    position's logits. Between processes the same prefill moved by up to 4% (107-112 ms at 4096
     tokens on the H200, runs 17-23)."""
     a, b = pair
     if PATHS[a] != PATHS[b]:
@@ -1227,16 +1227,15 @@ def ab_prefill_section(rep, ceil, tiny, pair, lengths, rounds):
     for s in lengths:
         args, by, fl = _prefill_setup(tiny, s, a)
         graphdef, state = random_model(args)
-        calls, first, last, compile_s = {}, {}, {}, {}
+        calls, last, compile_s = {}, {}, {}
         for path in pair:
             _, calls[path], compile_s[path], logits = _prefill_program(args, *with_path_flags(graphdef, state, path), s)
-            first[path] = np.asarray(jnp.argmax(logits[:, -1], axis=-1))
-            last[path] = np.asarray(logits[:, -1], np.float32)
+            last[path] = np.asarray(logits)  # f32 [1, V]: the prompt's last position
         times = {path: [] for path in pair}
         for r in range(rounds):
             for path in (pair if r % 2 == 0 else pair[::-1]):
                 times[path].append(timeit(calls[path], warmup=1, iters=1 if tiny else 2, repeats=1))
-        for path, t, row in _ab_rows(pair, times, first):
+        for path, t, row in _ab_rows(pair, times, {p: v.argmax(-1) for p, v in last.items()}):
             if path == b:  # the last position's logits: 0 where B's program computes A's numbers
                 row["logits_max_abs_diff"] = float(np.max(np.abs(last[a] - last[b])))
             rep.add(name=f"ab {path} prefill", batch=1, context=s, seconds=t, bytes=by, flops=fl,

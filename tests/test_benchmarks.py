@@ -888,6 +888,30 @@ def test_ab_prefill_rows_time_two_paths_in_rounds_of_alternating_order(tmp_path,
         model_speed.ab_prefill_section(rep, {"bf16": 1e12}, True, ("fast", "fast-f32"), [32], 2)
 
 
+def test_ab_prefill_compares_the_whole_last_position_logits(tmp_path, monkeypatch):
+    """B's `tokens_equal` and `logits_max_abs_diff` cover every vocabulary entry of the prompt's
+    last position: a change to B's first logit alone shows in both."""
+    _scripted_timeit(monkeypatch, [1e-3] * 4)
+    real = model_speed._prefill_program
+    made = []
+
+    def program(*a):
+        f, call, t, logits = real(*a)
+        made.append(logits)
+        if len(made) == 2:  # path B: its first vocabulary entry far above every other
+            logits = logits.at[0, 0].set(jnp.max(logits) + 100.0)
+        return f, call, t, logits
+
+    monkeypatch.setattr(model_speed, "_prefill_program", program)
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.ab_prefill_section(rep, {"bf16": 1e12}, True, ("fast", "fast-onedot"), [32], 2)
+    b = rep.rows[1]
+    assert made[0].shape == (1, model_speed.bench_args(True, 1, 32, "auto").vocab_size)
+    assert int(jnp.argmax(made[0][0])) != 0, "the test needs A's token to differ from entry 0"
+    assert b["tokens_equal"] is False
+    assert b["logits_max_abs_diff"] == pytest.approx(float(jnp.max(made[1]) + 100.0 - made[0][0, 0]))
+
+
 def test_ab_section_relaid_swaps_one_copy_of_the_weights(tmp_path, monkeypatch):
     """An A/B of two fp4 layouts (fast-released against a path that re-lays, `fp4_relaid` "on")
     holds one copy of the expert stacks: moved in place to B's layout before each B round and
