@@ -224,6 +224,9 @@ class Experts(nnx.Module):
     w1 6% and w2 4%, outputs bit-identical there; in the model the decode step 0.9% faster at
     batch 1, 0.3% at batch 64 and a 4096-token prefill 2.4%, benchmarks/README.md, fortieth
     session).
+    `half_tiles` (0: off; set on the module to try it): the kernel's prefill tiles whose rows fit
+    half the tile (an expert's last tile) run a K loop of half the rows, up to this many halvings
+    (`expert_matmul.BlockSizes.half_tiles`; the same sums, less MMA work on padding rows).
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -245,6 +248,7 @@ class Experts(nnx.Module):
         self.one_dot = False
         self.swap_ab = False
         self.swap_ab_single = True
+        self.half_tiles = 0
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -367,9 +371,11 @@ class Experts(nnx.Module):
 
     def block_sizes(self) -> expert_matmul.BlockSizes:
         """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
-        `one_row`, `stream_k`, `one_dot` and `swap_ab` when set, `swap_ab_single` unless cleared."""
+        `one_row`, `stream_k`, `one_dot`, `swap_ab` and `half_tiles` when set, `swap_ab_single` unless
+        cleared."""
         return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row, one_dot=self.one_dot,
                                         swap_ab=self.swap_ab, swap_ab_single=self.swap_ab_single,
+                                        half_tiles=self.half_tiles,
                                         decode="relaid" if self._relaid else None,
                                         stream_k=expert_matmul.TARGET_PROGRAMS if self.stream_k else 0)
 

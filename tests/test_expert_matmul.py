@@ -226,6 +226,54 @@ class TestKernelInterpretStreamK(GatherBase):
     block_sizes = api.BlockSizes(stream_k=7)
 
 
+class TestKernelInterpretHalfTiles(GatherBase):
+    # tiles of >= 32 rows whose rows fit half the tile on a half-height K loop (of the cases only
+    # tile_of_32_rows has such tiles: every one holds <= 16 rows)
+    implementation = "pallas"
+    interpret = True
+    block_sizes = api.BlockSizes(half_tiles=3)
+
+
+def _half_tiles_case(rows: int, n: int, k: int, counts, seed: int):
+    """(xs, w, s, te, row0, valid, r): grouped tiles of `rows` rows over experts holding `counts`
+    pairs (shuffled), the padding rows appended."""
+    rng = np.random.default_rng(seed)
+    ids = np.repeat(np.arange(len(counts)), counts)
+    rng.shuffle(ids)
+    x, w, s, _, _ = make(rng, len(counts), n, k, len(ids))
+    order, te, row0, valid = api.grouped_tiles(jnp.asarray(ids, jnp.int32), len(counts), rows)
+    return jnp.concatenate([x[order], jnp.zeros((rows, k), jnp.bfloat16)]), w, s, te, row0, valid, len(ids)
+
+
+def _check_half_tiles_same_bits(rows, n, k, counts, interpret, halvings, **blocks):
+    """Tiles of every height the `halvings` allow (all must occur) give the full-height loop's bits."""
+    xs, w, s, te, row0, valid, r = _half_tiles_case(rows, n, k, counts, rows + n)
+    v, heights = np.asarray(valid), [rows >> i for i in range(halvings + 1)]
+    for height, below in zip(heights, heights[1:] + [0]):
+        assert np.any((v > below) & (v <= height)), (height, v)
+    kw = {"implementation": "pallas", "interpret": interpret}
+    full = _grouped(xs, w, s, te, row0, valid, rows, block_sizes=api.BlockSizes(**blocks), **kw)
+    half = _grouped(xs, w, s, te, row0, valid, rows, block_sizes=api.BlockSizes(half_tiles=halvings, **blocks),
+                    **kw)
+    np.testing.assert_array_equal(np.asarray(half[:r]).view(np.uint16), np.asarray(full[:r]).view(np.uint16))
+
+
+@pytest.mark.parametrize("halvings", [1, 2])
+def test_half_tiles_give_the_same_bits(halvings):
+    """Interpret mode: 64-row tiles holding 40, 20, 64 + 6 and 1 rows; those of <= 32 (and <= 16)
+    rows on the lower loops give the full-height loop's outputs bit for bit (each row's sums
+    alike)."""
+    _check_half_tiles_same_bits(64, 64, 256, [40, 20, 70, 0, 1], True, halvings, block_n=32, block_k=128)
+
+
+def test_half_tiles_resolve_down_to_16_rows():
+    bs = api.BlockSizes(half_tiles=3)
+    assert [bs.resolved(r, 2304, 5120).half_tiles for r in (1, 16, 32, 64, 128)] == [0, 0, 1, 2, 3]
+    assert api.BlockSizes(half_tiles=1).resolved(128, 2304, 5120).half_tiles == 1
+    assert api.BlockSizes(half_tiles=3, stream_k=264).resolved(32, 2304, 5120, tiles=1).half_tiles == 0
+    assert api.BlockSizes().resolved(128, 2304, 5120).half_tiles == 0  # off by default
+
+
 def test_stream_k_applies_to_launches_of_under_two_waves():
     """`stream_k` stays on where the launch has fewer output blocks than twice its programs:
     the one-token w1 + w3 (6 pairs x 36 blocks = 216) and w2 (6 x 80 = 480) at 264 programs,
@@ -404,6 +452,21 @@ def test_unfused_unmasked_kernel_gives_the_same_bits():
 @needs_gpu
 class TestKernelGPU(GatherBase):
     implementation = "pallas"
+
+
+@needs_gpu
+@pytest.mark.parametrize(("rows", "counts", "halvings"), [
+    (128, [150, 64, 65, 3, 0, 128, 40, 20], 3), (128, [150, 64, 65, 3, 0, 128], 1), (64, [40, 20, 70, 1], 2)])
+def test_half_tiles_give_the_same_bits_on_the_gpu(rows, counts, halvings):
+    """Compiled, at the prefill tiles' default blocks (released N 2304, K 5120 for 128 rows): the
+    lower loops' wgmma (N = the loop's rows) sum each row as the full one does, bit for bit."""
+    _check_half_tiles_same_bits(rows, 2304 if rows == 128 else 256, 5120 if rows == 128 else 512, counts, False,
+                                halvings)
+
+
+@needs_gpu
+class TestKernelGPUHalfTiles(TestKernelGPU):
+    block_sizes = api.BlockSizes(half_tiles=3)
 
 
 @needs_gpu

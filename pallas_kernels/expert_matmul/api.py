@@ -137,6 +137,12 @@ class BlockSizes:
       with K splits it is off. Timed on an H100 at 264 programs (benchmarks/README.md,
       thirty-eighth session; device time, one token): w1 + w3 41.50 against 41.42 µs, w2 25.98
       against 23.05: no gain, hence off (0).
+    half_tiles: up to this many halvings of a tile's height (never below 16 rows): a tile whose
+      valid rows fit half the tile (an expert's last tile, partly filled) runs a K loop of half
+      the rows, one that fits a quarter (with 2 or more) a quarter, and so on: less MMA work on
+      padding rows, the same decode; each row's sums are the same products in the same order. A
+      4096-token prefill routes 64 pairs to an expert on average (binomial counts), so about half
+      its 128-row tiles are at most half full. Not timed yet: 0 (off).
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
@@ -165,6 +171,7 @@ class BlockSizes:
     one_row: bool = False
     k_splits: int | None = None
     stream_k: int = 0
+    half_tiles: int = 0
 
     def resolved(self, rows: int, n: int, k: int, interpret: bool = False, tiles: int = 0,
                  weights: int = 1) -> BlockSizes:
@@ -191,13 +198,15 @@ class BlockSizes:
                                    num_warps=num_warps, decode=decode,
                                    fuse=fuse, one_dot=(self.one_dot or single) and rows > 1,
                                    swap_ab=(self.swap_ab or single) and rows > 1, k_splits=k_splits,
-                                   stream_k=stream_k)
+                                   stream_k=stream_k,
+                                   half_tiles=0 if stream_k or rows <= 16 else min(self.half_tiles, (rows // 16).bit_length() - 1))
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
         return {"block_n": self.block_n, "block_k": self.block_k, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "decode": self.decode, "mask_x": self.mask_x, "one_dot": self.one_dot,
-                "scale_fold": self.scale_fold, "k_splits": self.k_splits, "stream_k": self.stream_k, "swap_ab": self.swap_ab}
+                "scale_fold": self.scale_fold, "k_splits": self.k_splits, "stream_k": self.stream_k, "swap_ab": self.swap_ab,
+                "half_tiles": self.half_tiles}
 
 
 def _many(w, s) -> bool:

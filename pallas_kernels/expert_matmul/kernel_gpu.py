@@ -276,14 +276,16 @@ def stream_k_plan(units: int, n_kblocks: int, programs: int) -> tuple[int, int]:
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
             n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool, split: bool,
-            stream_k: tuple[int, int, int, int] | None = None, swap_ab: bool = False):
+            stream_k: tuple[int, int, int, int] | None = None, swap_ab: bool = False, halvings: int = 0):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
     # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16, or [k_splits, M, N] fp32 when split
     # (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n) of each, K blocks
     # [ks * n_kblocks, (ks + 1) * n_kblocks) when split). stream_k = (programs, units per tile,
     # segments, pieces): a one-axis grid of even K-step ranges (`stream_k_plan`), o_ref
-    # [pieces, M, N] fp32, a unit's piece i from the i-th program that works on it.
+    # [pieces, M, N] fp32, a unit's piece i from the i-th program that works on it. halvings: a
+    # tile runs its K loop on the fewest of rows, rows / 2, ... rows / 2^halvings rows that hold
+    # its valid rows (the same per-row sums).
     w_refs, s_refs, o_refs = refs[:g], refs[g:2 * g], refs[2 * g:]
     kw, ks = block_k // 8, block_k // 32
     dims = (((1,), (1,)), ((), ()))
@@ -306,9 +308,9 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         return [((_e2m1_subnormal_f32(words, j) if decode == "subnormal" else _e2m1_f32((words >> (4 * j)) & 0xF))
                  * sf).astype(jnp.bfloat16) for j in range(8)]
 
-    def k_loop(e, row0, valid, n0, lo, hi, offset=0):
+    def k_loop(e, row0, valid, n0, lo, hi, offset=0, rows=rows):
         """The tile's fp32 sums over K blocks [offset + lo, offset + hi): g accumulators
-        [rows, bn] (one row: [1, bn])."""
+        [rows, bn] (one row: [1, bn]) of the tile's first `rows` rows."""
         def x_cols(c0, width):
             """x columns [c0, c0 + width) of the tile's rows: [rows, width] bf16; with `mask_x` rows
             past `valid` are not read (zeros: they belong to other tiles and are never stored)."""
@@ -351,11 +353,11 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
 
     def store(o_ref, acc, row0, valid, n0, slot=None):
         r = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
-        cols = pl.ds(n0, block_n)
+        cols, height = pl.ds(n0, block_n), acc.shape[0]
         if slot is None:
-            plgpu.store(o_ref.at[pl.ds(row0, rows), cols], acc.astype(o_ref.dtype), mask=r < valid)
+            plgpu.store(o_ref.at[pl.ds(row0, height), cols], acc.astype(o_ref.dtype), mask=r < valid)
         else:
-            plgpu.store(o_ref.at[slot, pl.ds(row0, rows), cols], acc, mask=r < valid)
+            plgpu.store(o_ref.at[slot, pl.ds(row0, height), cols], acc, mask=r < valid)
 
     if stream_k is None:
         t = pl.program_id(0)
@@ -363,11 +365,14 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
         ks_id = pl.program_id(2)
         e, row0, valid = te_ref[t], row0_ref[t], valid_ref[t]
 
-        @pl.when(valid > 0)
-        def _():
-            accs = k_loop(e, row0, valid, n0, 0, n_kblocks, offset=ks_id * n_kblocks)
+        def run(height):
+            accs = k_loop(e, row0, valid, n0, 0, n_kblocks, offset=ks_id * n_kblocks, rows=height)
             for o_ref, acc in zip(o_refs, accs):
                 store(o_ref, acc, row0, valid, n0, ks_id if split else None)
+
+        heights = [rows >> i for i in range(halvings + 1)]  # each holds the tiles above the next
+        for height, below in zip(heights, heights[1:] + [0]):
+            pl.when((valid > below) & (valid <= height))(functools.partial(run, height))
         return
 
     programs, n_blocks, segments, pieces = stream_k
@@ -407,7 +412,7 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
                   tile_valid: jax.Array, *, rows: int, block_n: int, block_k: int, num_warps: int,
                   num_stages: int, interpret: bool, decode: str = "select", mask_x: bool = False,
                   one_dot: bool = False, scale_fold: bool = False, k_splits: int = 1, stream_k: int = 0,
-                  swap_ab: bool = False):
+                  swap_ab: bool = False, half_tiles: int = 0):
     """x bf16 [M, K] (M >= max(row0) + rows); w int8 [E, N, K/2]; s e8m0 (or uint8) [E, N, K/32];
     tile_* int32 [T] -> bf16 [M, N], or with k_splits > 1 fp32 partial sums [k_splits, M, N]
     (program (t, j, ks) sums the ks-th of k_splits equal runs of K blocks; the caller adds the
@@ -442,6 +447,12 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     "pairs" decode then takes its x 2^126 in the scale, one packed multiply per two codes fewer,
     bit-identical. Not checked here (a larger byte gives inf); the loaders check
     (`dsv41_jax.loading.resolve_fp4_scale_fold`). Other decodes ignore it.
+    half_tiles: up to this many halvings of a tile's height: a tile whose valid rows fit rows / 2
+    (an expert's last, partly filled tile) runs a K loop of rows / 2 rows, with half the MMA
+    work, one that fits rows / 4 a loop of rows / 4 (with 2 or more), and so on down to 16 rows;
+    the program's branch is chosen per tile, so every height's loop is compiled. Each output
+    row's sums are the same products in the same order. Needs tensor-core tiles of at least
+    16 x 2^half_tiles rows and no stream-K.
 
     Raises NotImplementedError for shapes the Triton tiles cannot take (the caller falls back)."""
     many = isinstance(w, (tuple, list))
@@ -472,6 +483,9 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
         raise NotImplementedError(f"k_splits={k_splits} must divide the {k // block_k} K blocks")
     if stream_k < 0 or (stream_k and k_splits != 1):
         raise NotImplementedError(f"stream_k={stream_k} must be 0 (off) or a program count, with k_splits=1")
+    if half_tiles < 0 or (half_tiles and (rows < 16 << half_tiles or stream_k)):
+        raise NotImplementedError(f"half_tiles={half_tiles} needs tiles of >= {16 << max(half_tiles, 0)} rows "
+                                  f"without stream-K, got {rows=}, {stream_k=}")
     t = tile_expert.shape[0]
     programs = min(stream_k, t * (n // block_n) * (k // block_k))  # none without a K step
     plan = (programs, n // block_n) + stream_k_plan(t * (n // block_n), k // block_k, programs) if stream_k else None
@@ -493,7 +507,7 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k,
                                n_kblocks=k // block_k // k_splits, decode=decode, mask_x=mask_x, one_dot=one_dot,
                                scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split, stream_k=plan,
-                               swap_ab=swap_ab)
+                               swap_ab=swap_ab, halvings=half_tiles)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
     o_shape = (slots, m, n) if split else (m, n)
     out = pl.pallas_call(
