@@ -985,7 +985,7 @@ def test_fp4_relaid_is_resolved_where_the_compiled_kernel_runs(monkeypatch):
     assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="auto")).fp4_relaid == "on" and m.experts.relaid
 
 
-def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather", value: bool = True):
+def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather", value: bool | int = True):
     """(the `kernel_gpu.expert_matmul` `kwarg` values seen, jnp-path output, kernel output, the
     kernel MoE) of the MoE's `path` on x with `Experts.<switch>` set to `value`."""
     from pallas_kernels.expert_matmul import kernel_gpu
@@ -1065,6 +1065,17 @@ def test_swap_ab_single_resolves_by_fusion():
     assert r.swap_ab and r.one_dot
     assert api.BlockSizes().resolved(64, 2304, 5120).swap_ab  # on by default
     assert not api.BlockSizes(swap_ab_single=False).resolved(64, 2304, 5120).swap_ab
+
+
+def test_moe_half_tiles_switch_reaches_the_grouped_launches(monkeypatch):
+    """`Experts.half_tiles` hands the grouped path's (prefill's) launches its halvings (300 pairs
+    over 8 experts: 128-row tiles), and the MoE's outputs match the jnp path as the default
+    tiles' do."""
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((1, 150, 128)), jnp.bfloat16)
+    seen, a, b, _ = _switched_moe(monkeypatch, "half_tiles", "half_tiles", x, path="grouped", value=3)
+    assert seen and set(seen) == {3}  # loops of 128, 64, 32 and 16 rows
+    d = ulps(a, b)
+    assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
 
 
 def test_moe_one_dot_switch_reaches_the_grouped_launches(monkeypatch):
