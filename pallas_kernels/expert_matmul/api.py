@@ -194,12 +194,13 @@ class BlockSizes:
                                            MIN_WAVE_FILL)
         stream_k = self.stream_k if k_splits == 1 and 0 < tiles * (n // block_n) < 2 * self.stream_k else 0
         single = self.swap_ab_single and (weights == 1 or not fuse)
+        # lower loops down to 16 rows (tensor-core tiles only)
+        halvings = 0 if stream_k or rows <= 16 else min(self.half_tiles, (rows // 16).bit_length() - 1)
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages,
                                    num_warps=num_warps, decode=decode,
                                    fuse=fuse, one_dot=(self.one_dot or single) and rows > 1,
                                    swap_ab=(self.swap_ab or single) and rows > 1, k_splits=k_splits,
-                                   stream_k=stream_k,
-                                   half_tiles=0 if stream_k or rows <= 16 else min(self.half_tiles, (rows // 16).bit_length() - 1))
+                                   stream_k=stream_k, half_tiles=halvings)
 
     def kernel_args(self) -> dict:
         """The `kernel_gpu.expert_matmul` keyword arguments of resolved block sizes."""
