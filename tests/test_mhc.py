@@ -121,10 +121,10 @@ def test_hc_post_pre_is_hc_post_then_hc_pre_bit_for_bit(shape):
 
 
 @pytest.mark.parametrize("shape", [(2, 5, 20480), (1, 1, 20480), (1, 3, 256)])
-def test_site_projection_asks_the_dot_for_float64_and_rounds_once(shape):
-    """`project_rounded_once`: f32 operands with a float64 result asked of the dot (no float64
-    copies, so XLA:GPU converts inside its GEMM): bit-identical here to the dot of float64 copies
-    rounded to f32, and within one f32 ulp of numpy's float64 sums (another order)."""
+def test_site_projection_sums_in_float64_and_rounds_once(shape):
+    """`project_rounded_once`: bit-identical to the dot of float64 copies rounded to f32 (on a GPU
+    too, where a dot of the f32 operands asked for a float64 result sums in f32), and within one
+    f32 ulp of numpy's float64 sums (another order)."""
     from pallas_kernels.sinkhorn.api import project_rounded_once
 
     key = jax.random.key(7)

@@ -196,15 +196,16 @@ def project_rounded_once(u: jax.Array, fn: jax.Array) -> jax.Array:
     fp32 ulp, enough to flip a bf16 rounding of the stream now and then). TPUs have no float64:
     there the sum stays fp32 (HIGHEST).
 
-    The dot takes the f32 operands and asks for a float64 result (`preferred_element_type`): the
-    exact products summed in float64, as a dot of float64 copies would (on the CPU the same
-    program, bit for bit), but XLA:GPU converts inside its GEMM fusion instead of first writing a
-    float64 copy of the stream (671 MB a site in a 4096-token prefill at the released width, read
-    back by the GEMM). On an H100 that prefill took 1% less time with golden parity unchanged
-    (benchmarks/README.md, thirty-fourth session)."""
+    The dot takes float64 copies of both operands. Asking a dot of the f32 operands for a float64
+    result (`preferred_element_type`) avoids the copy of the stream (671 MB a site in a
+    4096-token prefill at the released width; 1% of that prefill on an H100) and is exact on the
+    CPU, but XLA:GPU compiles it (jax 0.10.2, for an H100) to a Triton GEMM that accumulates in
+    f32 (`fma.rn.f32`) and only converts the sums to float64, which is the f32 sum this function
+    exists to avoid; with float64 operands it runs float64 MMA (`mma.sync ... f64`)
+    (benchmarks/README.md, forty-third session)."""
     if platform() == "tpu":
         return jnp.einsum("bsk,mk->bsm", u, fn, precision=jax.lax.Precision.HIGHEST)
     with jax.enable_x64(True):
-        y = jax.lax.dot_general(u, fn, (((2,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float64)
+        y = jax.lax.dot_general(u.astype(jnp.float64), fn.astype(jnp.float64), (((2,), (1,)), ((), ())),
+                                precision=jax.lax.Precision.HIGHEST)
         return y.astype(jnp.float32)
