@@ -63,10 +63,11 @@ attention on the GPU kernel's float64 program instead of the jnp reference (`Att
 `sparse_attention.BlockSizes.f64_kernel`); `fast-gatenorm` is `fast` with a single row's FFN norm
 inside the gate's logits launch (`Gate.norm_logits`, `topk.BlockSizes.norm_logits`); `fast-kvrow`
 is `fast` with a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch
-(`Attention.kv_row_kernel`, `pallas_kernels.window_kv`); `fast-rows` is both; `fast-half` is
-`fast` with the routed experts' prefill tiles whose rows fit half the tile on K loops of half the
-rows (`Experts.half_tiles` 1, `expert_matmul.BlockSizes.half_tiles`) and `fast-anyheight` on the
-fewest of 128, 64, 32 or 16 rows that hold them (3). `--tiny` runs
+(`Attention.kv_row_kernel`, `pallas_kernels.window_kv`); `fast-rows` is both; `fast-anyheight`
+is `fast` with every prefill size's routed-expert tiles on K loops of the fewest of 128, 64, 32
+or 16 rows that hold their rows (`Experts.half_tiles` 3, `expert_matmul.BlockSizes.half_tiles`;
+`fast` does so at 2049-4096 tokens, `expert_matmul.halvings_for`), `fast-fullheight` with none
+(0). `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -123,23 +124,23 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-gatenorm": "fast" with a single row's FFN norm inside the gate's logits launch (`Gate.norm_logits`);
 # "fast-kvrow": "fast" with a single row's window-KV row in one launch (`Attention.kv_row_kernel`);
 # "fast-rows": both;
-# "fast-half": "fast" with the routed experts' half-filled prefill tiles on half-height K loops (`Experts.half_tiles`
-# 1); "fast-anyheight": every prefill tile on the fewest of 128, 64, 32 or 16 rows holding its rows (3)
+# "fast-anyheight" / "fast-fullheight": every prefill size's expert tiles on the fewest of 128, 64, 32 or 16
+# rows holding their rows / on the whole tile (`Experts.half_tiles` 3 / 0; "fast": `expert_matmul.halvings_for`)
 _RELAID = ModelArgs.fp4_relaid  # the default
 _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
          "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST,
          "fast-noswapsingle": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
-         "fast-half": _FAST, "fast-anyheight": _FAST,
+         "fast-anyheight": _FAST, "fast-fullheight": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it sets
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
               "fast-onedot": ("experts_one_dot",), "fast-swapab": ("experts_one_dot", "experts_swap_ab"),
               "fast-noswapsingle": ("experts_no_swap_ab_single",),
               "fast-f64k": ("attn_f64_kernel",), "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
-              "fast-rows": ("gate_norm_logits", "kv_row_kernel"), "fast-half": ("experts_half_tiles",),
-              "fast-anyheight": ("experts_any_height",)}
+              "fast-rows": ("gate_norm_logits", "kv_row_kernel"), "fast-anyheight": ("experts_any_height",),
+              "fast-fullheight": ("experts_full_height",)}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -322,7 +323,8 @@ def with_path_flags(graphdef, state, path: str):
     `Experts.one_row`, "fast-streamk": `Experts.stream_k`, "fast-onedot": `Experts.one_dot`, "fast-swapab":
     `Experts.one_dot` and `Experts.swap_ab`, "fast-noswapsingle": `Experts.swap_ab_single` off, "fast-f64k":
     `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`,
-    "fast-rows": both, "fast-half" / "fast-anyheight": `Experts.half_tiles` 1 / 3); other paths unchanged."""
+    "fast-rows": both, "fast-anyheight" / "fast-fullheight": `Experts.half_tiles` 3 / 0); other paths
+    unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)
@@ -1297,7 +1299,7 @@ def main(argv=None) -> int:
                         "fast-swapab (and the weight tile as the dots' first operand), "
                         "fast-noswapsingle (the single-weight launches without them, as the fused one), "
                         "fast-f64k (float64 attention kernel), "
-                        "fast-gatenorm, fast-kvrow, fast-rows, fast-half, fast-anyheight (module switches), reference (plain jnp)")
+                        "fast-gatenorm, fast-kvrow, fast-rows, fast-anyheight, fast-fullheight (module switches), reference (plain jnp)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,8,64,256; tiny 1,2)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 4096,65536; tiny 64,128)")
     p.add_argument("--prefill", default=None, help="prefill lengths (default 4096,16384; tiny 32,64)")

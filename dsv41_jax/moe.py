@@ -224,9 +224,11 @@ class Experts(nnx.Module):
     w1 6% and w2 4%, outputs bit-identical there; in the model the decode step 0.9% faster at
     batch 1, 0.3% at batch 64 and a 4096-token prefill 2.4%, benchmarks/README.md, fortieth
     session).
-    `half_tiles` (0: off; set on the module to try it): the kernel's prefill tiles whose rows fit
-    half the tile (an expert's last tile) run a K loop of half the rows, up to this many halvings
-    (`expert_matmul.BlockSizes.half_tiles`; the same sums, less MMA work on padding rows).
+    `half_tiles` (None: `expert_matmul.halvings_for` each grouped call; an int sets it for all):
+    the kernel's prefill tiles whose rows fit half the tile (an expert's last tile) run a K loop
+    of half the rows, up to this many halvings (`expert_matmul.BlockSizes.half_tiles`; the same
+    sums, less MMA work on padding rows; a 4096-token prefill 1.8% faster on an H100,
+    benchmarks/README.md, forty-third session).
     `relaid` (ModelArgs.fp4_relaid "on", or "auto" resolved by a loader where the compiled GPU
     kernel runs: `loading.resolve_fp4_relaid`; setting it re-lays the fp4 weights in place,
     clearing it puts them back): the packed words held in the layout of the kernel's "relaid"
@@ -248,7 +250,7 @@ class Experts(nnx.Module):
         self.one_dot = False
         self.swap_ab = False
         self.swap_ab_single = True
-        self.half_tiles = 0
+        self.half_tiles = None
         self._relaid = False
         self.w1 = Linear(dim, inter_dim, dtype, stack=(n_experts,))
         self.w2 = Linear(inter_dim, dim, dtype, stack=(n_experts,))
@@ -347,11 +349,12 @@ class Experts(nnx.Module):
         c = expert_matmul.tile_rows_for(r, n_e)
         order, te, row0, valid = expert_matmul.grouped_tiles(e, n_e, c)
         x_sorted, w_sorted = _sorted_rows(x, src, weights, order, c)
+        bs = self.block_sizes(expert_matmul.halvings_for(r, n_e))
 
         def matmul(rows, lins):
             return expert_matmul.grouped_matmul(rows, *_packed(lins), te, row0, valid, c,
                                                 implementation=self.kernels, interpret=self.kernels_interpret,
-                                                block_sizes=self.block_sizes())
+                                                block_sizes=bs)
 
         y = self.kernel_ffn(x_sorted, w_sorted, matmul)[:r]
         # rows no live tile covers (pairs of another device's experts) are undefined on the kernel path
@@ -369,13 +372,14 @@ class Experts(nnx.Module):
         h = swiglu(lin(self.w1, x), lin(self.w3, x), self.swiglu_limit, weights, out_dtype=x.dtype)
         return lin(self.w2, h)
 
-    def block_sizes(self) -> expert_matmul.BlockSizes:
-        """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it and
-        `one_row`, `stream_k`, `one_dot`, `swap_ab` and `half_tiles` when set, `swap_ab_single` unless
-        cleared."""
+    def block_sizes(self, half_tiles: int = 0) -> expert_matmul.BlockSizes:
+        """The fp4 kernel's options: its defaults, with `scale_fold` when the scales allow it,
+        `one_row`, `stream_k`, `one_dot` and `swap_ab` when set, `swap_ab_single` unless cleared, and
+        `half_tiles` (`self.half_tiles` where set)."""
+        half_tiles = half_tiles if self.half_tiles is None else self.half_tiles
         return expert_matmul.BlockSizes(scale_fold=self.scale_fold, one_row=self.one_row, one_dot=self.one_dot,
                                         swap_ab=self.swap_ab, swap_ab_single=self.swap_ab_single,
-                                        half_tiles=self.half_tiles,
+                                        half_tiles=half_tiles,
                                         decode="relaid" if self._relaid else None,
                                         stream_k=expert_matmul.TARGET_PROGRAMS if self.stream_k else 0)
 

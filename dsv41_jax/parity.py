@@ -453,12 +453,12 @@ MODULE_SWITCHES = {
     "experts_no_swap_ab_single": (Experts, "swap_ab_single", False,
                                   ("the routed experts' launches of one weight matrix (w2; w1, w3 unfused) on the "
                                    "fused launch's tiles, without swap_ab and one_dot (GPU kernel only)")),
-    "experts_half_tiles": (Experts, "half_tiles", 1,
-                           ("the routed experts' prefill tiles whose rows fit half the tile as a K loop of half the "
-                            "rows (GPU kernel only)")),
     "experts_any_height": (Experts, "half_tiles", 3,
                            ("the routed experts' prefill tiles as a K loop of the fewest of 128, 64, 32 or 16 rows "
-                            "that holds their rows (GPU kernel only)")),
+                            "that holds their rows, at every prefill size (GPU kernel only)")),
+    "experts_full_height": (Experts, "half_tiles", 0,
+                            ("the routed experts' prefill tiles as K loops of the whole tile's rows, at every prefill "
+                             "size (GPU kernel only)")),
     "gate_norm_logits": (Gate, "norm_logits", True,
                          ("a single row's FFN norm (and the experts' quantiser) inside the gate's logits launch "
                           "(GPU kernel only)")),

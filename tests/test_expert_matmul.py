@@ -985,7 +985,7 @@ def test_fp4_relaid_is_resolved_where_the_compiled_kernel_runs(monkeypatch):
     assert resolve_fp4_relaid(m, ModelArgs.tiny(fp4_relaid="auto")).fp4_relaid == "on" and m.experts.relaid
 
 
-def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather", value: bool | int = True):
+def _switched_moe(monkeypatch, switch: str, kwarg: str, x, path: str = "gather", value: bool | int | None = True):
     """(the `kernel_gpu.expert_matmul` `kwarg` values seen, jnp-path output, kernel output, the
     kernel MoE) of the MoE's `path` on x with `Experts.<switch>` set to `value`."""
     from pallas_kernels.expert_matmul import kernel_gpu
@@ -1067,15 +1067,24 @@ def test_swap_ab_single_resolves_by_fusion():
     assert not api.BlockSizes(swap_ab_single=False).resolved(64, 2304, 5120).swap_ab
 
 
-def test_moe_half_tiles_switch_reaches_the_grouped_launches(monkeypatch):
-    """`Experts.half_tiles` hands the grouped path's (prefill's) launches its halvings (300 pairs
-    over 8 experts: 128-row tiles), and the MoE's outputs match the jnp path as the default
+@pytest.mark.parametrize(("tokens", "value", "want"), [(150, None, 3), (150, 0, 0), (600, None, 0), (600, 3, 3)])
+def test_moe_half_tiles_reach_the_grouped_launches(monkeypatch, tokens, value, want):
+    """`Experts.half_tiles` None hands the grouped path's (prefill's) launches `halvings_for`'s
+    halvings (2 pairs a token over 8 experts: 150 tokens 37.5 an expert, 128-row tiles, 3; 600
+    tokens 150 an expert, 0), an int its own; the MoE's outputs match the jnp path as the default
     tiles' do."""
-    x = jnp.asarray(np.random.default_rng(8).standard_normal((1, 150, 128)), jnp.bfloat16)
-    seen, a, b, _ = _switched_moe(monkeypatch, "half_tiles", "half_tiles", x, path="grouped", value=3)
-    assert seen and set(seen) == {3}  # loops of 128, 64, 32 and 16 rows
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((1, tokens, 128)), jnp.bfloat16)
+    seen, a, b, _ = _switched_moe(monkeypatch, "half_tiles", "half_tiles", x, path="grouped", value=value)
+    assert seen and set(seen) == {want}
     d = ulps(a, b)
     assert np.mean(d == 0) >= 0.99 and int(d.max()) <= 2
+
+
+def test_halvings_follow_the_pairs_per_expert():
+    e = 384  # released experts; pairs = 6 per token
+    assert [api.halvings_for(6 * t, e) for t in (1, 64, 1024, 2048)] == [0] * 4  # 16- and 64-row tiles
+    assert [api.halvings_for(6 * t, e) for t in (2049, 3072, 4096)] == [3] * 3  # 128-row tiles, <= 64 pairs
+    assert [api.halvings_for(6 * t, e) for t in (4097, 16384)] == [0] * 2
 
 
 def test_moe_one_dot_switch_reaches_the_grouped_launches(monkeypatch):

@@ -140,9 +140,14 @@ class BlockSizes:
     half_tiles: up to this many halvings of a tile's height (never below 16 rows): a tile whose
       valid rows fit half the tile (an expert's last tile, partly filled) runs a K loop of half
       the rows, one that fits a quarter (with 2 or more) a quarter, and so on: less MMA work on
-      padding rows, the same decode; each row's sums are the same products in the same order. A
-      4096-token prefill routes 64 pairs to an expert on average (binomial counts), so about half
-      its 128-row tiles are at most half full. Not timed yet: 0 (off).
+      padding rows, the same decode; each row's sums are the same products in the same order.
+      The MoE sets it by `halvings_for` (3 where 128-row tiles hold at most 64 pairs an expert
+      on average, else 0). On an H100 (benchmarks/README.md, forty-third session, device time,
+      uniform random routing): the 4096-token prefill's w1 2645 -> 2649 µs, w2 2674 -> 2626 with
+      3 halvings; 16384 tokens' w1 6750 -> 6839 (+1.3%: most tiles full, the larger kernel
+      slower); 2048 tokens' 64-row w1 2059 -> 2096; in the six-layer model (its random gate
+      routes less evenly: more partly filled tiles) a 4096-token prefill 120.71 -> 118.55 ms
+      (-1.8%, paired rounds, the same logits). Default 0 here.
     scale_fold: the caller has checked that every e8m0 byte of the scales is <= 128 (scales <=
       2; `dsv41_jax.loading.resolve_fp4_scale_fold` does it once at load): the "pairs" decode then
       multiplies each code pair once, by scale x 2^126, instead of by 2^126 and by the scale
@@ -320,7 +325,10 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
     at 4096 tokens (64 pairs per expert on average, binomial counts) 128-row tiles are 1.07x
     faster than 64-row ones and at 16384 tokens 1.2x (benchmarks/README.md, forty-second
     session; on 128 x 128 blocks 128-row tiles were no faster than 64 rows with 4 warps and
-    1.37x slower with 8). 17-32 pairs per expert: not measured."""
+    1.37x slower with 8). At 2048 tokens (32 pairs) the 64-row tiles' w1 took 2059 µs, 128-row
+    ones with `halvings_for`'s lower loops 2093; at 1024 tokens (16 pairs) the 16-row tiles' 1900
+    µs, 128-row ones with lower loops 1795 (sums in another order; not adopted: the 1-16 pairs
+    range between is unmeasured) (forty-third session)."""
     if pairs <= 16 * n_experts:
         c = 16
     elif pairs <= 32 * n_experts:
@@ -328,6 +336,16 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
     else:
         c = 128
     return max(16, min(c, pl.next_power_of_2(pairs)))
+
+
+def halvings_for(pairs: int, n_experts: int) -> int:
+    """`BlockSizes.half_tiles` for `grouped_matmul` on the kernel path, beside `tile_rows_for`:
+    3 (K loops of 128, 64, 32 or 16 rows, the fewest holding a tile's rows) while 128-row tiles
+    hold at most 64 pairs an expert on average (prefills of 2049-4096 tokens on the released 384
+    experts: about half of an expert's tiles at most half full), else 0. Measured on an H100 at
+    4096 tokens (in the model 1.8% faster a prefill) and at 16384 (the launch 1.3% slower), not
+    between (benchmarks/README.md, forty-third session)."""
+    return 3 if tile_rows_for(pairs, n_experts) == 128 and pairs <= 64 * n_experts else 0
 
 
 def grouped_tiles(indices: jax.Array, n_experts: int, tile_rows: int):
