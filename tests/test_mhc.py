@@ -120,6 +120,17 @@ def test_hc_post_pre_is_hc_post_then_hc_pre_bit_for_bit(shape):
     assert np.abs(np.asarray(c, np.float32) - np.asarray(c_other, np.float32)).max() > 0
 
 
+def test_site_projection_dots_float64_operands():
+    """The projection's dot takes float64 operands: XLA:GPU compiles a dot of f32 operands asked
+    for a float64 result to a GEMM that sums in f32 (benchmarks/README.md, forty-third session),
+    which no CPU run can show, so the program's form is pinned here."""
+    from pallas_kernels.sinkhorn.api import project_rounded_once
+
+    u, fn = jnp.zeros((1, 2, 256), jnp.float32), jnp.zeros((24, 256), jnp.float32)
+    dots = [e for e in jax.make_jaxpr(project_rounded_once)(u, fn).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 1 and [v.aval.dtype for v in dots[0].invars] == [jnp.float64, jnp.float64]
+
+
 @pytest.mark.parametrize("shape", [(2, 5, 20480), (1, 1, 20480), (1, 3, 256)])
 def test_site_projection_sums_in_float64_and_rounds_once(shape):
     """`project_rounded_once`: bit-identical to the dot of float64 copies rounded to f32 (on a GPU
