@@ -226,14 +226,6 @@ class TestKernelInterpretStreamK(GatherBase):
     block_sizes = api.BlockSizes(stream_k=7)
 
 
-class TestKernelInterpretHalfTiles(GatherBase):
-    # tiles of >= 32 rows whose rows fit half the tile on a half-height K loop (of the cases only
-    # tile_of_32_rows has such tiles: every one holds <= 16 rows)
-    implementation = "pallas"
-    interpret = True
-    block_sizes = api.BlockSizes(half_tiles=3)
-
-
 def _half_tiles_case(rows: int, n: int, k: int, counts, seed: int):
     """(xs, w, s, te, row0, valid, r): grouped tiles of `rows` rows over experts holding `counts`
     pairs (shuffled), the padding rows appended."""
@@ -1067,7 +1059,7 @@ def test_swap_ab_single_resolves_by_fusion():
     assert not api.BlockSizes(swap_ab_single=False).resolved(64, 2304, 5120).swap_ab
 
 
-@pytest.mark.parametrize(("tokens", "value", "want"), [(150, None, 3), (150, 0, 0), (600, None, 0), (600, 3, 3)])
+@pytest.mark.parametrize(("tokens", "value", "want"), [(150, None, 3), (150, 0, 0), (600, None, 0)])
 def test_moe_half_tiles_reach_the_grouped_launches(monkeypatch, tokens, value, want):
     """`Experts.half_tiles` None hands the grouped path's (prefill's) launches `halvings_for`'s
     halvings (2 pairs a token over 8 experts: 150 tokens 37.5 an expert, 128-row tiles, 3; 600
