@@ -264,6 +264,8 @@ def test_half_tiles_resolve_down_to_16_rows():
     assert api.BlockSizes(half_tiles=1).resolved(128, 2304, 5120).half_tiles == 1
     assert api.BlockSizes(half_tiles=3, stream_k=264).resolved(32, 2304, 5120, tiles=1).half_tiles == 0
     assert api.BlockSizes().resolved(128, 2304, 5120).half_tiles == 0  # off by default
+    with pytest.raises(ValueError, match="half_tiles must be >= 0"):
+        api.BlockSizes(half_tiles=-1).resolved(128, 2304, 5120)
 
 
 def test_stream_k_applies_to_launches_of_under_two_waves():

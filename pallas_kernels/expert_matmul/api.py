@@ -199,6 +199,8 @@ class BlockSizes:
                                            MIN_WAVE_FILL)
         stream_k = self.stream_k if k_splits == 1 and 0 < tiles * (n // block_n) < 2 * self.stream_k else 0
         single = self.swap_ab_single and (weights == 1 or not fuse)
+        if self.half_tiles < 0:
+            raise ValueError(f"BlockSizes.half_tiles must be >= 0 (halvings of a tile's height), got {self.half_tiles}")
         # lower loops down to 16 rows (tensor-core tiles only)
         halvings = 0 if stream_k or rows <= 16 else min(self.half_tiles, (rows // 16).bit_length() - 1)
         return dataclasses.replace(self, block_n=block_n, block_k=block_k, num_stages=num_stages,

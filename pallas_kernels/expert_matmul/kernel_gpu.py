@@ -276,15 +276,15 @@ def stream_k_plan(units: int, n_kblocks: int, programs: int) -> tuple[int, int]:
 
 def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_n: int, block_k: int,
             n_kblocks: int, decode: str, mask_x: bool, one_dot: bool, scale_fold: bool, split: bool,
-            stream_k: tuple[int, int, int, int] | None = None, swap_ab: bool = False, halvings: int = 0):
+            stream_k: tuple[int, int, int, int] | None = None, swap_ab: bool = False, half_tiles: int = 0):
     # te/row0/valid_ref [T] int32; x_ref [M, K] bf16, columns permuted per K block (see
     # `expert_matmul`); then g weights w_ref [E, N, K/8] int32 (8 codes a word), g scales s_ref
     # [E, N, K/32] uint8 and g outputs o_ref [M, N] bf16, or [k_splits, M, N] fp32 when split
     # (this program writes rows [row0, row0 + valid) x [n0, n0 + block_n) of each, K blocks
     # [ks * n_kblocks, (ks + 1) * n_kblocks) when split). stream_k = (programs, units per tile,
     # segments, pieces): a one-axis grid of even K-step ranges (`stream_k_plan`), o_ref
-    # [pieces, M, N] fp32, a unit's piece i from the i-th program that works on it. halvings: a
-    # tile runs its K loop on the fewest of rows, rows / 2, ... rows / 2^halvings rows that hold
+    # [pieces, M, N] fp32, a unit's piece i from the i-th program that works on it. half_tiles: a
+    # tile runs its K loop on the fewest of rows, rows / 2, ... rows / 2^half_tiles rows that hold
     # its valid rows (the same per-row sums).
     w_refs, s_refs, o_refs = refs[:g], refs[g:2 * g], refs[2 * g:]
     kw, ks = block_k // 8, block_k // 32
@@ -370,7 +370,7 @@ def _kernel(te_ref, row0_ref, valid_ref, x_ref, *refs, g: int, rows: int, block_
             for o_ref, acc in zip(o_refs, accs):
                 store(o_ref, acc, row0, valid, n0, ks_id if split else None)
 
-        heights = [rows >> i for i in range(halvings + 1)]  # each holds the tiles above the next
+        heights = [rows >> i for i in range(half_tiles + 1)]  # each holds the tiles above the next
         for height, below in zip(heights, heights[1:] + [0]):
             pl.when((valid > below) & (valid <= height))(functools.partial(run, height))
         return
@@ -507,7 +507,7 @@ def expert_matmul(x: jax.Array, w, s, tile_expert: jax.Array, tile_row0: jax.Arr
     kernel = functools.partial(_kernel, g=g, rows=rows, block_n=block_n, block_k=block_k,
                                n_kblocks=k // block_k // k_splits, decode=decode, mask_x=mask_x, one_dot=one_dot,
                                scale_fold=scale_fold and decode in ("pairs", "relaid"), split=split, stream_k=plan,
-                               swap_ab=swap_ab, halvings=half_tiles)
+                               swap_ab=swap_ab, half_tiles=half_tiles)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
     o_shape = (slots, m, n) if split else (m, n)
     out = pl.pallas_call(
