@@ -799,8 +799,9 @@ def test_block_size_defaults():
 
 def test_tile_rows_follow_the_pairs_per_expert():
     e = 384  # released experts; pairs = 6 per token
-    assert [api.tile_rows_for(6 * t, e) for t in (1, 8, 64, 256, 1024)] == [16] * 5  # decode batches
-    assert [api.tile_rows_for(6 * t, e) for t in (1025, 2048)] == [64] * 2  # 17 .. 32 pairs per expert
+    assert [api.tile_rows_for(6 * t, e) for t in (1, 8, 64, 256, 896)] == [16] * 5  # <= 14 pairs per expert
+    assert [api.tile_rows_for(6 * t, e) for t in (897, 1024, 1536)] == [128] * 3  # 14 .. 24
+    assert [api.tile_rows_for(6 * t, e) for t in (1537, 2048)] == [64] * 2  # 24 .. 32
     assert [api.tile_rows_for(6 * t, e) for t in (2049, 4096, 16384)] == [128] * 3
     assert api.tile_rows_for(40, 1) == 64 and api.tile_rows_for(20, 1) == 32  # never above next_pow2(R)
     assert api.tile_rows_for(1, 1) == 16  # tensor-core minimum
@@ -1076,8 +1077,8 @@ def test_moe_half_tiles_reach_the_grouped_launches(monkeypatch, tokens, value, w
 
 def test_halvings_follow_the_pairs_per_expert():
     e = 384  # released experts; pairs = 6 per token
-    assert [api.halvings_for(6 * t, e) for t in (1, 64, 1024, 2048)] == [0] * 4  # 16- and 64-row tiles
-    assert [api.halvings_for(6 * t, e) for t in (2049, 3072, 4096)] == [3] * 3  # 128-row tiles, <= 64 pairs
+    assert [api.halvings_for(6 * t, e) for t in (1, 64, 896, 1537, 2048)] == [0] * 5  # 16- and 64-row tiles
+    assert [api.halvings_for(6 * t, e) for t in (897, 1536, 2049, 3072, 4096)] == [3] * 5  # 128-row tiles, <= 64 pairs
     assert [api.halvings_for(6 * t, e) for t in (4097, 16384)] == [0] * 2
 
 

@@ -321,19 +321,22 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
     over `n_experts` experts (never more than the next power of 2 >= R, at least 16).
 
     Every live tile reads and decodes its expert's whole matrix, so small tiles repeat that work
-    and large ones pay MMA work on padding rows (an expert's last tile is partly empty). 16 rows
-    while experts get <= 16 pairs on average (decode batches); 64 up to 32 pairs per expert; 128
-    beyond. With `BlockSizes`' blocks for such tiles (256 x 128, 8 warps, 3 stages), on an H100
-    at 4096 tokens (64 pairs per expert on average, binomial counts) 128-row tiles are 1.07x
-    faster than 64-row ones and at 16384 tokens 1.2x (benchmarks/README.md, forty-second
-    session; on 128 x 128 blocks 128-row tiles were no faster than 64 rows with 4 warps and
-    1.37x slower with 8). At 2048 tokens (32 pairs) the 64-row tiles' w1 took 2059 µs, 128-row
-    ones with `halvings_for`'s lower loops 2093; at 1024 tokens (16 pairs) the 16-row tiles' 1900
-    µs, 128-row ones with lower loops 1795 (sums in another order; not adopted: the 1-16 pairs
-    range between is unmeasured) (forty-third session)."""
-    if pairs <= 16 * n_experts:
+    and large ones pay MMA work on padding rows (an expert's last tile is partly empty; with
+    `halvings_for`'s lower loops a 128-row tile holding few rows runs a shorter K loop). By the
+    average pairs an expert p: 16 rows while p <= 14 (decode batches and prefills up to 896 tokens
+    on the released 384 experts); 128 rows for 14 < p <= 24; 64 rows for 24 < p <= 32; 128 beyond.
+    Measured on an H100 (`benchmarks.expert_launches`, one launch, uniform random routing;
+    benchmarks/README.md, forty-second to forty-fourth sessions): w1 at 512 tokens 16-row tiles
+    1404 µs against 128-row ones 1631, at 896 tokens 1760 against 1758, at 1024 1901 against 1795
+    (w2 1962 against 1786; 64-row tiles 1851 / 1840), at 1536 64-row tiles 1960 against 128-row
+    ones 1945, at 2048 2059 against 2093, at 4096 128-row tiles 1.07x faster than 64-row ones and
+    at 16384 1.2x."""
+    p = pairs / n_experts
+    if p <= 14:
         c = 16
-    elif pairs <= 32 * n_experts:
+    elif p <= 24:
+        c = 128
+    elif p <= 32:
         c = 64
     else:
         c = 128
@@ -343,10 +346,11 @@ def tile_rows_for(pairs: int, n_experts: int) -> int:
 def halvings_for(pairs: int, n_experts: int) -> int:
     """`BlockSizes.half_tiles` for `grouped_matmul` on the kernel path, beside `tile_rows_for`:
     3 (K loops of 128, 64, 32 or 16 rows, the fewest holding a tile's rows) while 128-row tiles
-    hold at most 64 pairs an expert on average (prefills of 2049-4096 tokens on the released 384
-    experts: about half of an expert's tiles at most half full), else 0. Measured on an H100 at
-    4096 tokens (in the model 1.8% faster a prefill) and at 16384 (the launch 1.3% slower), not
-    between (benchmarks/README.md, forty-third session)."""
+    hold at most 64 pairs an expert on average (prefills of 897-1536 and 2049-4096 tokens on the
+    released 384 experts: many of an expert's tiles at most half full), else 0. Measured on an
+    H100 at 4096 tokens (in the model 1.8% faster a prefill), at 1024 and 1536 (the launches with
+    128-row tiles and these loops the fastest, above) and at 16384 (the launch 1.3% slower)
+    (benchmarks/README.md, forty-third and forty-fourth sessions)."""
     return 3 if tile_rows_for(pairs, n_experts) == 128 and pairs <= 64 * n_experts else 0
 
 
