@@ -37,6 +37,7 @@ from dsv41_jax.numerics import exact_div, round_bf16, to_bf16
 from pallas_kernels._dispatch import platform
 from pallas_kernels.fp8_matmul import api as fp8_matmul
 from pallas_kernels.fp8_matmul import reference as fp8_reference
+from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.sparse_attention.api import BlockSizes as SparseAttnBlockSizes
 from pallas_kernels.sparse_attention.api import sparse_attn
 from pallas_kernels.topk.api import topk_positions
@@ -285,47 +286,6 @@ def pool_groups(kv: jax.Array, score: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------ indexer
 
 
-# The per-head dots of `index_scores` (f32 [b, s, h, t]) are formed this many bytes at a time:
-# a 16k-token prefill would otherwise hold 32 GiB of them before the sum over heads.
-INDEX_SCORE_BLOCK_BYTES = 1 << 30
-
-
-@functools.partial(jax.jit, static_argnames="block_bytes")
-def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, block_bytes: int = INDEX_SCORE_BLOCK_BYTES) -> jax.Array:
-    """score[b, s, t] = sum_h relu(q[b,s,h].k[b,t]) * w[b,s,h], in the reference's bf16 steps.
-
-    q bf16 [b, s, h, d]; k bf16 [b, t, d]; w bf16 [b, s, h] -> bf16 [b, s, t].
-    Each dot is accumulated in f32 and rounded to bf16 once; relu; the product with w rounded to
-    bf16 (exact in f32 first); the head sum accumulated in f32 and rounded to bf16 once.
-    Keys are taken in blocks (a sequential map) so that at most `block_bytes` of per-head dots
-    exist at once; every score is computed the same way whatever the blocking.
-    """
-    b, s, h, _ = q.shape
-    t = k.shape[1]
-    cols = index_score_block(b, s, h, t, block_bytes)
-    if cols == t:
-        return _index_scores_block(q, k, w)
-    n = -(-t // cols)
-    blocks = jnp.pad(k, ((0, 0), (0, n * cols - t), (0, 0))).reshape(b, n, cols, -1).swapaxes(0, 1)
-    out = jax.lax.map(lambda kb: _index_scores_block(q, kb, w), blocks)  # [n, b, s, cols]
-    return jnp.moveaxis(out, 0, 2).reshape(b, s, n * cols)[..., :t]
-
-
-def index_score_block(b: int, s: int, h: int, t: int, block_bytes: int = INDEX_SCORE_BLOCK_BYTES) -> int:
-    """Keys per block of `index_scores` for q [b, s, h, d] and t keys: t when the f32 dots of all
-    keys fit in `block_bytes`, else the most that fit, rounded down to a multiple of 128."""
-    cols = max(1, block_bytes // (4 * b * s * h))
-    if t <= cols:
-        return t
-    return cols // 128 * 128 if cols >= 128 else cols
-
-
-def _index_scores_block(q: jax.Array, k: jax.Array, w: jax.Array) -> jax.Array:
-    dots = round_bf16(jnp.einsum("bshd,btd->bsht", q, k, precision=_HIGHEST, preferred_element_type=_F32))
-    prod = round_bf16(jnp.maximum(dots, 0) * round_bf16(w)[..., None])  # exact product, one rounding
-    return to_bf16(jnp.sum(prod, axis=2))
-
-
 def causal_compress_lens(seqlen: int, ratio: int) -> jax.Array:
     """Prefill: compressed positions visible to each query, (t+1)//ratio, int32 [seqlen, 1]."""
     return jnp.asarray((np.arange(1, seqlen + 1) // ratio)[:, None], jnp.int32)
@@ -358,6 +318,9 @@ class Indexer(nnx.Module):
         self.uses_candidates = args.uses_candidates(layer_id)
         self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
         self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
+        # the scores on the GPU kernel (`pallas_kernels.index_scores`, where `kernels` picks it)
+        # rather than XLA's per-head f32 dots in memory; off until timed
+        self.score_kernel = False
         # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **linear_kernels(args))
@@ -383,6 +346,12 @@ class Indexer(nnx.Module):
         q = apply_rope(q, cos, sin, self.rope_dim)
         return quant.fp4_quant_dequant_ue8m0(q, QUANT_BLOCK)
 
+    def scores(self, q: jax.Array, k: jax.Array, w: jax.Array) -> jax.Array:
+        """`index_scores` (q bf16 [b, s, ih, ihd], k bf16 [b, t, ihd], w bf16 [b, s, ih] -> bf16
+        [b, s, t]) on the GPU kernel with `score_kernel`, else the jnp reference."""
+        return index_scores(q, k, w, implementation=self.kernels if self.score_kernel else "reference",
+                            interpret=self.kernels_interpret)
+
     def head_weights(self, x: jax.Array) -> jax.Array:
         """x bf16 [b, s, dim] -> bf16 [b, s, ih] = weights_proj(x) * ihd^-0.5 * ih^-0.5 (f32 product)."""
         return to_bf16(round_bf16(self.weights_proj(x)) * _F32(self.weight_scale))
@@ -400,7 +369,7 @@ class Indexer(nnx.Module):
         width = index_k.shape[1]
         if width != s // self.ratio:
             raise ValueError(f"index_k has {width} rows, expected S//ratio = {s // self.ratio}")
-        scores = index_scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
+        scores = self.scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
         return self._select(scores, causal_compress_lens(s, self.ratio), offset, candidates)
 
     def decode(self, x: jax.Array, qi: jax.Array, index_k: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -432,7 +401,7 @@ class Indexer(nnx.Module):
             out = self.decode(x, qi, index_k[:, :w], cos, sin, pos, offset,
                               None if candidates is None else candidates[..., :w])
             return pad_index_outputs(out, n, min(self.index_topk, n), self.candidate_block_size)
-        scores = index_scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
+        scores = self.scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
         lens = ((pos + 1) // self.ratio).astype(jnp.int32)[:, None, None]  # [b, 1, 1]
         out = self._select(scores, lens, offset, candidates)
         if "candidates" in out:
@@ -461,7 +430,7 @@ class Indexer(nnx.Module):
         "topk" holding the chosen rows themselves (no offset, -1 = none): the reference's rows
         followed by -1s (see `decode`: the same static-k argument holds per query).
         """
-        scores = index_scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
+        scores = self.scores(self.queries(qi, cos, sin), index_k, self.head_weights(x))
         return self._select(scores, ((pos + 1) // self.ratio)[..., None], 0, candidates)
 
     def _select(self, scores: jax.Array, lens: jax.Array, offset: int, candidates: jax.Array | None) -> dict:

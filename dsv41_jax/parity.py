@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.attention import Attention, previous_call_index_k_owner
+from dsv41_jax.attention import Attention, Indexer, previous_call_index_k_owner
 from dsv41_jax.cache import init_cache
 from dsv41_jax.checkpoint import CheckpointError
 from dsv41_jax.config import ModelArgs
@@ -462,6 +462,9 @@ MODULE_SWITCHES = {
     "gate_norm_logits": (Gate, "norm_logits", True,
                          ("a single row's FFN norm (and the experts' quantiser) inside the gate's logits launch "
                           "(GPU kernel only)")),
+    "index_score_kernel": (Indexer, "score_kernel", True,
+                           ("the indexer's scores on the GPU kernel, the per-head dots kept in registers (GPU "
+                            "kernel only)")),
     "kv_row_kernel": (Attention, "kv_row_kernel", True,
                       ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch (GPU kernel "
                        "only)")),

@@ -23,8 +23,8 @@ Parts:
                      attention logits [b, S, H, K] f32, with K = window + index_topk (capped at
                      the compressed rows S // r) on compressed layers, K = window otherwise
           indexer    the per-head products [b, S, ih, C] f32 and the scores [b, S, S // r] bf16
-                     (index-source layers; `attention.index_scores` forms the products C keys
-                     at a time, at most 1 GiB of them: `attention.index_score_block`)
+                     (index-source layers; `index_scores.reference` forms the products C keys
+                     at a time, at most 1 GiB of them: `index_scores.reference.index_score_block`)
           MoE        the routed w1 / w3 outputs 2 x [b, S, topk, inter] f32 and the expert
                      outputs [b, S, topk, dim] bf16 (every token's experts computed locally)
       + logits [b, V] f32,
@@ -53,8 +53,8 @@ import jax
 import numpy as np
 
 from dsv41_jax import sharding as shd
-from dsv41_jax.attention import index_score_block
 from dsv41_jax.config import ConfigError, ModelArgs
+from pallas_kernels.index_scores.reference import index_score_block
 
 __all__ = ["CHIPS", "DEFAULT_PLAN_MESH", "RELEASED_CONFIG", "MemoryPlan", "format_plan", "load_config", "main",
            "memory_plan", "transient_estimate"]

@@ -16,7 +16,7 @@ from dsv41_jax import quant
 from dsv41_jax.attention import (
     Attention,
     Compressor,
-    index_scores,
+    Indexer,
     resolve_attn_accumulate,
     select_candidate_blocks,
     window_ring,
@@ -27,6 +27,8 @@ from dsv41_jax.config import ModelArgs
 from dsv41_jax.layers import Linear, RMSNorm, apply_rope
 from dsv41_jax.loading import load_hub_weights
 from dsv41_jax.mhc import hc_pre, identity_pre_mix
+from pallas_kernels.index_scores import api as index_scores_api
+from pallas_kernels.index_scores.reference import index_scores
 from pallas_kernels.sparse_attention.reference import sparse_attn
 
 BF16 = ml_dtypes.bfloat16
@@ -307,6 +309,47 @@ def test_index_scores_in_key_blocks_equal_the_reference_rounding(s, t, block_byt
     assert got.dtype == jnp.bfloat16 and got.shape == (2, s, t)
     np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
     np.testing.assert_array_equal(f64(got), f64(index_scores(q, k, w)))
+
+
+HAS_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.skipif(not HAS_GPU,
+                                                                                        reason="needs a GPU"))])
+@pytest.mark.parametrize("b, s, h, d, t", [(2, 37, 8, 32, 50), (3, 1, 8, 32, 300), (1, 64, 32, 128, 200)])
+def test_index_scores_kernel_equals_the_reference_rounding(b, s, h, d, t, interpret):
+    """The GPU kernel (`pallas_kernels.index_scores`, interpret mode on CPU, compiled on a GPU):
+    the reference's bf16 steps bit for bit on inputs whose f32 sums are exact in any order (FP4
+    values), with rows and keys that are no multiple of its blocks and single-row (decode) calls."""
+    rng = np.random.default_rng(9)
+    q = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (b, s, h, d)))
+    k = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (b, t, d)))
+    w = rand_bf16(rng, (b, s, h), 0.1)
+    got = jax.jit(lambda q, k, w: index_scores_api.index_scores(q, k, w, implementation="pallas",
+                                                                interpret=interpret))(q, k, w)
+    assert got.dtype == jnp.bfloat16 and got.shape == (b, s, t)
+    np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
+
+
+def test_indexer_score_kernel_switch_runs_the_kernel(monkeypatch):
+    """`Indexer.score_kernel` (off by default) hands the scores to the kernel where `kernels`
+    picks it; off, the reference runs."""
+    from pallas_kernels.index_scores import kernel_gpu
+
+    calls = []
+    real = kernel_gpu.index_scores
+    monkeypatch.setattr(kernel_gpu, "index_scores", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    idx = Indexer(2, ARGS.replace(kernels="pallas", kernels_interpret=True))
+    rng = np.random.default_rng(10)
+    q, k = rand_bf16(rng, (1, 20, 4, 32)), rand_bf16(rng, (1, 24, 32))
+    w = rand_bf16(rng, (1, 20, 4), 0.1)
+    assert idx.score_kernel is False
+    want = idx.scores(q, k, w)
+    assert not calls
+    idx.score_kernel = True
+    got = idx.scores(q, k, w)
+    assert calls == [(1, 20, 4, 32)]
+    np.testing.assert_array_equal(f64(got), f64(want))
 
 
 def np_topk(scores, lens, k, offset):

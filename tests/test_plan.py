@@ -14,9 +14,9 @@ from conftest import DATA, GOLDEN_ROOT
 from dsv41_jax import generate as G
 from dsv41_jax import plan as P
 from dsv41_jax import sharding as shd
-from dsv41_jax.attention import index_score_block
 from dsv41_jax.cache import cache_bytes
 from dsv41_jax.config import ModelArgs
+from pallas_kernels.index_scores.reference import index_score_block
 
 T64K = 65536
 # SPEC §15: text backbone without the Engram tables, and one routed expert's parameters
