@@ -1,5 +1,5 @@
-"""Kernel benchmark: the Sinkhorn site, sparse attention and the gate's one-row logits, Pallas kernel
-vs the XLA reference.
+"""Kernel benchmark: the Sinkhorn site, sparse attention, the gate's one-row logits and the indexer's
+scores, Pallas kernel vs the XLA reference.
 
     python -m benchmarks.kernels [--sweep] [--json PATH] [--budget-s 420]
 
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.index_scores import api as index_api
 from pallas_kernels.sinkhorn import api as sinkhorn_api
 from pallas_kernels.sparse_attention import api as attn_api
 from pallas_kernels.topk import api as topk_api
@@ -229,6 +230,47 @@ def router_rows(copy_bw: float) -> list[Row]:
                f"logits max abs diff {float(np.max(np.abs(got[0] - want[0]))):.2g} vs reference")
         rows.append(Row("gate logits, norm + quantiser", "1 x 5120 x 384", label, sec * 1e6, dev * 1e6, nbytes,
                         nbytes / _best(sec, dev) / copy_bw, err))
+    return rows
+
+
+# ---------------------------------------------------------------------------- indexer scores
+
+IH, IHD = 32, 128  # released index heads and head dim
+# (site, batch rows, query rows each, keys): a 4096-token prefill's ratio-1 and ratio-2 index
+# layers, and a batch-64 decode step at 64k context on a ratio-1 layer (the whole index cache)
+INDEX_SITES = (("prefill r1", 1, 4096, 4096), ("prefill r2", 1, 4096, 2048), ("decode r1 64k", 64, 1, 65536))
+
+
+def index_rows(copy_bw: float, sites=INDEX_SITES) -> list[Row]:
+    """`index_scores` at the released index width: XLA's reference (its per-head f32 dots written
+    to memory, then the head sum) against the GPU kernel (`pallas_kernels.index_scores`). Bytes:
+    q, k and w read once, the bf16 scores written once. Each set has its own inputs; the error
+    column gives the fraction of scores that differ from the reference's."""
+    rows = []
+    for site, b, s, t in sites:
+        def make(i, b=b, s=s, t=t):
+            k = jax.random.key(500 + i)
+            return (jax.random.normal(k, (b, s, IH, IHD), jnp.float32).astype(jnp.bfloat16),
+                    jax.random.normal(jax.random.fold_in(k, 1), (b, t, IHD), jnp.float32).astype(jnp.bfloat16),
+                    (0.1 * jax.random.normal(jax.random.fold_in(k, 2), (b, s, IH), jnp.float32)).astype(jnp.bfloat16))
+
+        nbytes = 2 * (b * s * IH * IHD + b * t * IHD + b * s * IH + b * s * t)
+        shape = f"{b} x {s} x {IH} x {IHD}, {t} keys"
+        want = None
+        for label in ("reference", "pallas"):
+            f = lambda q, k, w, label=label: index_api.index_scores(q, k, w, implementation=label)
+            try:
+                inner = 4 if b * s * t > 1 << 24 else 20
+                sec, dev = _time(f, make, inner=inner, reps=10)
+                got = np.asarray(jax.jit(f)(*make(0)), np.float32)
+            except Exception as e:  # noqa: BLE001 (a failing row is a result)
+                rows.append(Row("index scores", shape, f"{site} {label}", float("nan"), float("nan"), nbytes, 0.0,
+                                note=f"FAILED {type(e).__name__}: {str(e)[:200]}"))
+                continue
+            want = got if want is None else want
+            err = f"{float(np.mean(got != want)):.2g} of scores differ from the reference's"
+            rows.append(Row("index scores", shape, f"{site} {label}", sec * 1e6, dev * 1e6, nbytes,
+                            nbytes / _best(sec, dev) / copy_bw, err))
     return rows
 
 
@@ -436,7 +478,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time tile variants of the attention kernel first")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this long")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,router,attention")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: sinkhorn,router,index,attention")
     p.add_argument("--tokens", default="1,64,4096", help="Sinkhorn token counts (comma list)")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (comma list)")
     p.add_argument("--contexts", default="4096,65536", help="decode context lengths (comma list)")
@@ -461,6 +503,10 @@ def main(argv=None) -> int:
                 print(_fmt(r), flush=True)
     if "router" not in a.skip:
         for r in router_rows(copy_bw):
+            rows.append(r)
+            print(_fmt(r), flush=True)
+    if "index" not in a.skip:
+        for r in index_rows(copy_bw):
             rows.append(r)
             print(_fmt(r), flush=True)
     if "attention" not in a.skip:
