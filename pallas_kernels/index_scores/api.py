@@ -35,7 +35,7 @@ class BlockSizes:
     num_stages: int = 2
 
 
-def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, *, implementation: Implementation = "reference",
+def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, *, implementation: Implementation = "auto",
                  block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
     """score[b, s, t] = sum_h relu(q[b,s,h].k[b,t]) * w[b,s,h] in the reference's bf16 steps.
     q bf16 [b, s, h, d]; k bf16 [b, t, d]; w bf16 [b, s, h] -> bf16 [b, s, t]
