@@ -319,8 +319,8 @@ class Indexer(nnx.Module):
         self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
         self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
         # the scores on the GPU kernel (`pallas_kernels.index_scores`, where `kernels` picks it)
-        # rather than XLA's per-head f32 dots in memory; off until timed
-        self.score_kernel = False
+        # rather than XLA's per-head f32 dots in memory (benchmarks/README.md, forty-fifth session)
+        self.score_kernel = True
         # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **linear_kernels(args))

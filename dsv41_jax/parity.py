@@ -462,9 +462,9 @@ MODULE_SWITCHES = {
     "gate_norm_logits": (Gate, "norm_logits", True,
                          ("a single row's FFN norm (and the experts' quantiser) inside the gate's logits launch "
                           "(GPU kernel only)")),
-    "index_score_kernel": (Indexer, "score_kernel", True,
-                           ("the indexer's scores on the GPU kernel, the per-head dots kept in registers (GPU "
-                            "kernel only)")),
+    "index_score_reference": (Indexer, "score_kernel", False,
+                              ("the indexer's scores on XLA's jnp reference (the per-head f32 dots written to memory) "
+                               "rather than the GPU kernel")),
     "kv_row_kernel": (Attention, "kv_row_kernel", True,
                       ("a single row's window-KV row (kv_norm, RoPE, QDQ, ring write) in one launch (GPU kernel "
                        "only)")),

@@ -332,8 +332,8 @@ def test_index_scores_kernel_equals_the_reference_rounding(b, s, h, d, t, interp
 
 
 def test_indexer_score_kernel_switch_runs_the_kernel(monkeypatch):
-    """`Indexer.score_kernel` (off by default) hands the scores to the kernel where `kernels`
-    picks it; off, the reference runs."""
+    """`Indexer.score_kernel` (on by default) hands the scores to the kernel where `kernels`
+    picks it; off (the `index_score_reference` switch), the reference runs."""
     from pallas_kernels.index_scores import kernel_gpu
 
     calls = []
@@ -343,13 +343,35 @@ def test_indexer_score_kernel_switch_runs_the_kernel(monkeypatch):
     rng = np.random.default_rng(10)
     q, k = rand_bf16(rng, (1, 20, 4, 32)), rand_bf16(rng, (1, 24, 32))
     w = rand_bf16(rng, (1, 20, 4), 0.1)
-    assert idx.score_kernel is False
-    want = idx.scores(q, k, w)
-    assert not calls
-    idx.score_kernel = True
+    assert idx.score_kernel is True
     got = idx.scores(q, k, w)
     assert calls == [(1, 20, 4, 32)]
+    idx.score_kernel = False
+    want = idx.scores(q, k, w)
+    assert calls == [(1, 20, 4, 32)]
     np.testing.assert_array_equal(f64(got), f64(want))
+
+
+def test_index_scores_auto_leaves_decode_calls_to_the_reference_unless_auto_one_row(monkeypatch):
+    """"auto" runs the kernel for several query rows a batch row and, only with `AUTO_ONE_ROW`,
+    for one row (decode); the one-row layout gives the reference's scores (FP4 inputs)."""
+    from pallas_kernels.index_scores import kernel_gpu
+
+    calls = []
+    real = kernel_gpu.index_scores
+    monkeypatch.setattr(kernel_gpu, "index_scores", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    rng = np.random.default_rng(11)
+    k = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (3, 70, 32)))
+    for s in (5, 1):
+        q = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (3, s, 8, 32)))
+        w = rand_bf16(rng, (3, s, 8), 0.1)
+        got = index_scores_api.index_scores(q, k, w, implementation="auto", interpret=True)
+        np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
+    assert calls == [(3, 5, 8, 32)]
+    monkeypatch.setattr(index_scores_api, "AUTO_ONE_ROW", True)
+    got = index_scores_api.index_scores(q, k, w, implementation="auto", interpret=True)
+    assert calls == [(3, 5, 8, 32), (3, 1, 8, 32)]
+    np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
 
 
 def np_topk(scores, lens, k, offset):
