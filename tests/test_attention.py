@@ -331,14 +331,21 @@ def test_index_scores_kernel_equals_the_reference_rounding(b, s, h, d, t, interp
     np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
 
 
-def test_indexer_score_kernel_switch_runs_the_kernel(monkeypatch):
-    """`Indexer.score_kernel` (on by default) hands the scores to the kernel where `kernels`
-    picks it; off (the `index_score_reference` switch), the reference runs."""
+@pytest.fixture
+def index_kernel_calls(monkeypatch):
+    """The q shapes of the index-score kernel's calls (the kernel still runs)."""
     from pallas_kernels.index_scores import kernel_gpu
 
     calls = []
     real = kernel_gpu.index_scores
     monkeypatch.setattr(kernel_gpu, "index_scores", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    return calls
+
+
+def test_indexer_score_kernel_switch_runs_the_kernel(index_kernel_calls):
+    """`Indexer.score_kernel` (on by default) hands the scores to the kernel where `kernels`
+    picks it; off (the `index_score_reference` switch), the reference runs."""
+    calls = index_kernel_calls
     idx = Indexer(2, ARGS.replace(kernels="pallas", kernels_interpret=True))
     rng = np.random.default_rng(10)
     q, k = rand_bf16(rng, (1, 20, 4, 32)), rand_bf16(rng, (1, 24, 32))
@@ -352,14 +359,11 @@ def test_indexer_score_kernel_switch_runs_the_kernel(monkeypatch):
     np.testing.assert_array_equal(f64(got), f64(want))
 
 
-def test_index_scores_auto_leaves_decode_calls_to_the_reference_unless_auto_one_row(monkeypatch):
+def test_index_scores_auto_leaves_decode_calls_to_the_reference_unless_auto_one_row(index_kernel_calls,
+                                                                                    monkeypatch):
     """"auto" runs the kernel for several query rows a batch row and, only with `AUTO_ONE_ROW`,
     for one row (decode); the one-row layout gives the reference's scores (FP4 inputs)."""
-    from pallas_kernels.index_scores import kernel_gpu
-
-    calls = []
-    real = kernel_gpu.index_scores
-    monkeypatch.setattr(kernel_gpu, "index_scores", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    calls = index_kernel_calls
     rng = np.random.default_rng(11)
     k = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (3, 70, 32)))
     for s in (5, 1):

@@ -50,9 +50,8 @@ def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, *, implementation: Im
     if q.ndim != 4 or k.ndim != 3 or w.shape != q.shape[:3] or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
         raise ValueError(f"index_scores: q [b, s, h, d], k [b, t, d], w [b, s, h], got {q.shape=} {k.shape=} "
                          f"{w.shape=}")
-    if implementation == "auto" and q.shape[1] == 1 and not AUTO_ONE_ROW:
-        return _ref.index_scores(q, k, w)
-    if not gpu_kernel(implementation, interpret, "index_scores"):
+    decode_on_reference = implementation == "auto" and q.shape[1] == 1 and not AUTO_ONE_ROW
+    if decode_on_reference or not gpu_kernel(implementation, interpret, "index_scores"):
         return _ref.index_scores(q, k, w)
     bs = block_sizes or BlockSizes()
 

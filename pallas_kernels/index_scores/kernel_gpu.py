@@ -28,6 +28,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._triton import round_bf16_f32
 
 
+def _weighted(dots: jax.Array, w: jax.Array, interpret: bool) -> jax.Array:
+    """f32 dots [r, c], f32 head weights [r, 1] -> round_bf16(relu(round_bf16(dots)) * w) (f32)."""
+    return round_bf16_f32(jnp.maximum(round_bf16_f32(dots, interpret), 0.0) * w, interpret)
+
+
 def _kernel(q_ref, k_ref, w_ref, o_ref, *, heads: int, interpret: bool):
     # q_ref [block_s, heads, d] bf16, k_ref [block_t, d] bf16, w_ref [block_s, heads] bf16,
     # o_ref [block_s, block_t] bf16
@@ -35,9 +40,7 @@ def _kernel(q_ref, k_ref, w_ref, o_ref, *, heads: int, interpret: bool):
 
     def head(i, acc):
         dots = jnp.dot(q_ref[:, i, :], k.T, preferred_element_type=jnp.float32)  # [block_s, block_t]
-        wh = w_ref[:, i].astype(jnp.float32)
-        relu = jnp.maximum(round_bf16_f32(dots, interpret), 0.0)
-        return acc + round_bf16_f32(relu * wh[:, None], interpret)
+        return acc + _weighted(dots, w_ref[:, i].astype(jnp.float32)[:, None], interpret)
 
     acc = jax.lax.fori_loop(0, heads, head, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(jnp.bfloat16)
@@ -46,8 +49,7 @@ def _kernel(q_ref, k_ref, w_ref, o_ref, *, heads: int, interpret: bool):
 def _kernel_one_row(q_ref, k_ref, w_ref, o_ref, *, interpret: bool):
     # q_ref [hp, d] bf16, k_ref [block_t, d] bf16, w_ref [hp] bf16, o_ref [block_t] bf16
     dots = jnp.dot(q_ref[...], k_ref[...].T, preferred_element_type=jnp.float32)  # [hp, block_t]
-    relu = jnp.maximum(round_bf16_f32(dots, interpret), 0.0)
-    prod = round_bf16_f32(relu * w_ref[...].astype(jnp.float32)[:, None], interpret)
+    prod = _weighted(dots, w_ref[...].astype(jnp.float32)[:, None], interpret)
     o_ref[...] = jnp.sum(prod, axis=0).astype(jnp.bfloat16)
 
 
