@@ -1,8 +1,8 @@
 """Dispatch for the indexer's scores (SPEC §5.7).
 
 `implementation`: "reference" (pure jnp, `reference.index_scores`: the oracle), "pallas" (the GPU
-kernel), or "auto" (on a GPU the kernel for calls of several query rows and, where `AUTO_ONE_ROW`
-is set, for decode calls of one row; the reference otherwise: no TPU kernel). A shape the kernel
+kernel), or "auto" (on a GPU the kernel for calls of several query rows and, where `one_row` is
+set, for decode calls of one row; the reference otherwise: no TPU kernel). A shape the kernel
 does not handle falls back to the reference with a logged warning naming the shape and the
 reason. The model's indexers call it with their `kernels` (`Indexer.score_kernel`, on by default;
 benchmarks/README.md, forty-fifth session). On a mesh that splits `data` the kernel runs per
@@ -25,17 +25,12 @@ logger = logging.getLogger(__name__)
 
 Implementation = Literal["auto", "reference", "pallas"]
 
-# "auto" runs the kernel on decode calls (one query row a batch row) only when this is set: its
-# first, 16-row layout was 4x slower than XLA's reference at a batch-64 64k decode step on an H100
-# (benchmarks/README.md, forty-fifth session) and the one-row layout is not timed yet
-AUTO_ONE_ROW = False
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiles of the GPU kernel: query rows and keys a program, Triton warps and stages. block_s
     is unused by a decode call (one query row a batch row: the one-row layout); block_t None:
-    256 keys for a decode call, 64 otherwise."""
+    128 keys for a decode call (the fastest of 128 / 256 / 512 with 4 or 8 warps at batch 1, 8
+    and 64 on an H100: benchmarks/README.md, forty-sixth session), 64 otherwise."""
     block_s: int = 64
     block_t: int | None = None
     num_warps: int = 4
@@ -43,14 +38,17 @@ class BlockSizes:
 
 
 def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, *, implementation: Implementation = "auto",
-                 block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+                 block_sizes: BlockSizes | None = None, one_row: bool = False,
+                 interpret: bool = False) -> jax.Array:
     """score[b, s, t] = sum_h relu(q[b,s,h].k[b,t]) * w[b,s,h] in the reference's bf16 steps.
     q bf16 [b, s, h, d]; k bf16 [b, t, d]; w bf16 [b, s, h] -> bf16 [b, s, t]
-    (`reference.index_scores`; the kernel differs only in the order of its f32 sums)."""
+    (`reference.index_scores`; the kernel differs only in the order of its f32 sums).
+    one_row: "auto" runs decode calls (s = 1) on the kernel too (`Indexer.decode_score_kernel`);
+    off by default (benchmarks/README.md, forty-sixth session)."""
     if q.ndim != 4 or k.ndim != 3 or w.shape != q.shape[:3] or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
         raise ValueError(f"index_scores: q [b, s, h, d], k [b, t, d], w [b, s, h], got {q.shape=} {k.shape=} "
                          f"{w.shape=}")
-    decode_on_reference = implementation == "auto" and q.shape[1] == 1 and not AUTO_ONE_ROW
+    decode_on_reference = implementation == "auto" and q.shape[1] == 1 and not one_row
     if decode_on_reference or not gpu_kernel(implementation, interpret, "index_scores"):
         return _ref.index_scores(q, k, w)
     bs = block_sizes or BlockSizes()
@@ -58,7 +56,7 @@ def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, *, implementation: Im
     def kernel(q, k, w):  # per data shard on a mesh (split_batch)
         try:
             return kernel_gpu.index_scores(
-                q, k, w, block_s=bs.block_s, block_t=bs.block_t or (256 if q.shape[1] == 1 else 64),
+                q, k, w, block_s=bs.block_s, block_t=bs.block_t or (128 if q.shape[1] == 1 else 64),
                 num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret)
         except NotImplementedError as e:
             logger.warning("index_scores: the GPU kernel does not handle q %s k %s (%s); using the reference",
