@@ -68,8 +68,7 @@ is `fast` with every prefill size's routed-expert tiles on K loops of the fewest
 or 16 rows that hold their rows (`Experts.half_tiles` 3, `expert_matmul.BlockSizes.half_tiles`;
 `fast` does so at 2049-4096 tokens, `expert_matmul.halvings_for`), `fast-fullheight` with none
 (0); `fast-indexref` runs the indexer's scores on XLA's reference instead of their GPU kernel
-(`Indexer.score_kernel` off; `pallas_kernels.index_scores`), `fast-indexdec` decode's one-row
-calls on the kernel too (`Indexer.decode_score_kernel`). `--tiny` runs
+(`Indexer.score_kernel` off; `pallas_kernels.index_scores`). `--tiny` runs
 the same script at tiny width on CPU (a bug check, not a measurement).
 """
 
@@ -129,15 +128,14 @@ _NO_EXTRAS = dict(n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=(
 # "fast-anyheight" / "fast-fullheight": every prefill size's expert tiles on the fewest of 128, 64, 32 or 16
 # rows holding their rows / on the whole tile (`Experts.half_tiles` 3 / 0; "fast": `expert_matmul.halvings_for`);
 # "fast-indexref": "fast" with the indexer's scores on XLA's reference (`Indexer.score_kernel` off; the
-# forty-fourth session's "fast-indexk" is now "fast"); "fast-indexdec": "fast" with decode's one-row scores on
-# the kernel too (`Indexer.decode_score_kernel`)
+# forty-fourth session's "fast-indexk" is now "fast")
 _RELAID = ModelArgs.fp4_relaid  # the default
 _FAST = ("auto", "auto", "auto", _RELAID)
 PATHS = {"fast": _FAST, "fast-f32": ("auto", "f32", "auto", _RELAID), "fast-nofold": ("auto", "auto", "off", _RELAID),
          "fast-released": ("auto", "auto", "auto", "off"), "fast-relaid": ("auto", "auto", "auto", "auto"),
          "fast-onerow": _FAST, "fast-streamk": _FAST, "fast-onedot": _FAST, "fast-swapab": _FAST,
          "fast-noswapsingle": _FAST, "fast-f64k": _FAST, "fast-gatenorm": _FAST, "fast-kvrow": _FAST, "fast-rows": _FAST,
-         "fast-anyheight": _FAST, "fast-fullheight": _FAST, "fast-indexref": _FAST, "fast-indexdec": _FAST,
+         "fast-anyheight": _FAST, "fast-fullheight": _FAST, "fast-indexref": _FAST,
          "reference": ("reference", "auto", "auto", _RELAID)}
 # path -> the `parity.MODULE_SWITCHES` it sets
 PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_stream_k",),
@@ -145,8 +143,7 @@ PATH_FLAGS = {"fast-onerow": ("experts_one_row",), "fast-streamk": ("experts_str
               "fast-noswapsingle": ("experts_no_swap_ab_single",),
               "fast-f64k": ("attn_f64_kernel",), "fast-gatenorm": ("gate_norm_logits",), "fast-kvrow": ("kv_row_kernel",),
               "fast-rows": ("gate_norm_logits", "kv_row_kernel"), "fast-anyheight": ("experts_any_height",),
-              "fast-fullheight": ("experts_full_height",), "fast-indexref": ("index_score_reference",),
-              "fast-indexdec": ("index_decode_kernel",)}
+              "fast-fullheight": ("experts_full_height",), "fast-indexref": ("index_score_reference",)}
 
 
 def bench_args(tiny: bool, batch: int, context: int, kernels: str, attn_accumulate: str = "auto",
@@ -330,7 +327,7 @@ def with_path_flags(graphdef, state, path: str):
     `Experts.one_dot` and `Experts.swap_ab`, "fast-noswapsingle": `Experts.swap_ab_single` off, "fast-f64k":
     `Attention.f64_kernel`, "fast-gatenorm": `Gate.norm_logits`, "fast-kvrow": `Attention.kv_row_kernel`,
     "fast-rows": both, "fast-anyheight" / "fast-fullheight": `Experts.half_tiles` 3 / 0, "fast-indexref":
-    `Indexer.score_kernel` off, "fast-indexdec": `Indexer.decode_score_kernel`); other paths unchanged."""
+    `Indexer.score_kernel` off); other paths unchanged."""
     if path not in PATH_FLAGS:
         return graphdef, state
     model = nnx.merge(graphdef, state)

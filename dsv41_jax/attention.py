@@ -319,11 +319,9 @@ class Indexer(nnx.Module):
         self.candidate_topk_blocks, self.candidate_block_size = args.candidate_topk_blocks, args.candidate_block_size
         self.kernels, self.kernels_interpret = args.kernels, args.kernels_interpret
         # the scores on the GPU kernel (`pallas_kernels.index_scores`, where `kernels` picks it)
-        # rather than XLA's per-head f32 dots in memory (benchmarks/README.md, forty-fifth session)
+        # rather than XLA's per-head f32 dots in memory, for prefills and decode steps alike
+        # (benchmarks/README.md, forty-fifth and forty-sixth sessions)
         self.score_kernel = True
-        # decode's scores (one query row) on the kernel too: faster, but golden parity on an H100
-        # failed one array with it, unexplained (benchmarks/README.md, forty-sixth session)
-        self.decode_score_kernel = False
         # computed in double, then applied as an f32 scalar, as the reference's bf16 * python float
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _linear_dtype(args), **linear_kernels(args))
@@ -351,10 +349,9 @@ class Indexer(nnx.Module):
 
     def scores(self, q: jax.Array, k: jax.Array, w: jax.Array) -> jax.Array:
         """`index_scores` (q bf16 [b, s, ih, ihd], k bf16 [b, t, ihd], w bf16 [b, s, ih] -> bf16
-        [b, s, t]) on the GPU kernel with `score_kernel` (decode's one-row calls only with
-        `decode_score_kernel` too), else the jnp reference."""
+        [b, s, t]) on the GPU kernel with `score_kernel`, else the jnp reference."""
         return index_scores(q, k, w, implementation=self.kernels if self.score_kernel else "reference",
-                            one_row=self.decode_score_kernel, interpret=self.kernels_interpret)
+                            interpret=self.kernels_interpret)
 
     def head_weights(self, x: jax.Array) -> jax.Array:
         """x bf16 [b, s, dim] -> bf16 [b, s, ih] = weights_proj(x) * ihd^-0.5 * ih^-0.5 (f32 product)."""

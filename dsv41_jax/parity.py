@@ -462,9 +462,6 @@ MODULE_SWITCHES = {
     "gate_norm_logits": (Gate, "norm_logits", True,
                          ("a single row's FFN norm (and the experts' quantiser) inside the gate's logits launch "
                           "(GPU kernel only)")),
-    "index_decode_kernel": (Indexer, "decode_score_kernel", True,
-                            ("the indexer's decode scores (one query row a batch row) on the GPU kernel's one-row "
-                             "layout too (GPU kernel only)")),
     "index_score_reference": (Indexer, "score_kernel", False,
                               ("the indexer's scores on XLA's jnp reference (the per-head f32 dots written to memory) "
                                "rather than the GPU kernel")),

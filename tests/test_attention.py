@@ -359,10 +359,10 @@ def test_indexer_score_kernel_switch_runs_the_kernel(index_kernel_calls):
     np.testing.assert_array_equal(f64(got), f64(want))
 
 
-def test_index_scores_auto_leaves_decode_calls_to_the_reference_unless_one_row(index_kernel_calls):
-    """"auto" runs the kernel for several query rows a batch row and, only with `one_row`
-    (`Indexer.decode_score_kernel`), for one row (decode); the one-row layout gives the
-    reference's scores (FP4 inputs)."""
+def test_index_scores_auto_runs_the_kernel_for_prefill_and_decode_calls(index_kernel_calls):
+    """"auto" runs the kernel for several query rows a batch row and for one row (decode: the
+    one-row layout, all heads in one dot); both give the reference's scores (FP4 inputs, as the
+    model's queries and keys are)."""
     calls = index_kernel_calls
     rng = np.random.default_rng(11)
     k = quant.fp4_quant_dequant_ue8m0(rand_bf16(rng, (3, 70, 32)))
@@ -371,15 +371,7 @@ def test_index_scores_auto_leaves_decode_calls_to_the_reference_unless_one_row(i
         w = rand_bf16(rng, (3, s, 8), 0.1)
         got = index_scores_api.index_scores(q, k, w, implementation="auto", interpret=True)
         np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
-    assert calls == [(3, 5, 8, 32)]
-    got = index_scores_api.index_scores(q, k, w, implementation="auto", one_row=True, interpret=True)
     assert calls == [(3, 5, 8, 32), (3, 1, 8, 32)]
-    np.testing.assert_array_equal(f64(got), np_index_scores(q, k, w))
-    idx = Indexer(2, ARGS.replace(kernels="auto", kernels_interpret=True))
-    assert idx.decode_score_kernel is False
-    idx.decode_score_kernel = True  # the `index_decode_kernel` switch
-    np.testing.assert_array_equal(f64(idx.scores(q, k, w)), np_index_scores(q, k, w))
-    assert calls == [(3, 5, 8, 32), (3, 1, 8, 32), (3, 1, 8, 32)]
 
 
 def np_topk(scores, lens, k, offset):

@@ -1,11 +1,10 @@
 """Dispatch for the indexer's scores (SPEC §5.7).
 
 `implementation`: "reference" (pure jnp, `reference.index_scores`: the oracle), "pallas" (the GPU
-kernel), or "auto" (on a GPU the kernel for calls of several query rows and, where `one_row` is
-set, for decode calls of one row; the reference otherwise: no TPU kernel). A shape the kernel
+kernel), or "auto" (the kernel on a GPU, the reference elsewhere: no TPU kernel). A shape the kernel
 does not handle falls back to the reference with a logged warning naming the shape and the
-reason. The model's indexers call it with their `kernels` (`Indexer.score_kernel`, on by default;
-benchmarks/README.md, forty-fifth session). On a mesh that splits `data` the kernel runs per
+reason. The model's indexers call it with their `kernels` (`Indexer.score_kernel`, on by default:
+prefills since benchmarks/README.md's forty-fifth session, decode steps since its forty-sixth). On a mesh that splits `data` the kernel runs per
 batch shard (`_dispatch.split_batch`).
 """
 
@@ -38,18 +37,14 @@ class BlockSizes:
 
 
 def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, *, implementation: Implementation = "auto",
-                 block_sizes: BlockSizes | None = None, one_row: bool = False,
-                 interpret: bool = False) -> jax.Array:
+                 block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
     """score[b, s, t] = sum_h relu(q[b,s,h].k[b,t]) * w[b,s,h] in the reference's bf16 steps.
     q bf16 [b, s, h, d]; k bf16 [b, t, d]; w bf16 [b, s, h] -> bf16 [b, s, t]
-    (`reference.index_scores`; the kernel differs only in the order of its f32 sums).
-    one_row: "auto" runs decode calls (s = 1) on the kernel too (`Indexer.decode_score_kernel`);
-    off by default (benchmarks/README.md, forty-sixth session)."""
+    (`reference.index_scores`; the kernel differs only in the order of its f32 sums)."""
     if q.ndim != 4 or k.ndim != 3 or w.shape != q.shape[:3] or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[3]:
         raise ValueError(f"index_scores: q [b, s, h, d], k [b, t, d], w [b, s, h], got {q.shape=} {k.shape=} "
                          f"{w.shape=}")
-    decode_on_reference = implementation == "auto" and q.shape[1] == 1 and not one_row
-    if decode_on_reference or not gpu_kernel(implementation, interpret, "index_scores"):
+    if not gpu_kernel(implementation, interpret, "index_scores"):
         return _ref.index_scores(q, k, w)
     bs = block_sizes or BlockSizes()
 
