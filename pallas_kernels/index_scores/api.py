@@ -1,11 +1,11 @@
 """Dispatch for the indexer's scores (SPEC §5.7).
 
 `implementation`: "reference" (pure jnp, `reference.index_scores`: the oracle), "pallas" (the GPU
-kernel), or "auto" (the kernel on a GPU, the reference elsewhere: no TPU kernel). A shape the kernel
-does not handle falls back to the reference with a logged warning naming the shape and the
+kernel), or "auto" (the kernel on a GPU, the reference elsewhere: no TPU kernel). A shape the
+kernel does not handle falls back to the reference with a logged warning naming the shape and the
 reason. The model's indexers call it with their `kernels` (`Indexer.score_kernel`, on by default:
-prefills since benchmarks/README.md's forty-fifth session, decode steps since its forty-sixth). On a mesh that splits `data` the kernel runs per
-batch shard (`_dispatch.split_batch`).
+prefills since benchmarks/README.md's forty-fifth session, decode steps since its forty-sixth).
+On a mesh that splits `data` the kernel runs per batch shard (`_dispatch.split_batch`).
 """
 
 from __future__ import annotations
