@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 Implementation = Literal["auto", "reference", "pallas"]
 
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiles of the GPU kernel: query rows and keys a program, Triton warps and stages. block_s
