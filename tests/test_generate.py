@@ -373,7 +373,8 @@ def test_several_decode_steps_per_call_give_the_tokens_and_logits_of_one_step_pe
 
 
 def test_a_call_stops_on_the_device_once_every_row_has_finished():
-    gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=128, decode_steps=8)
+    gen = _generator()  # DECODE_STEPS (32) a call: the 7 steps after the prefill's token in one call
+    assert gen.decode_steps >= 8
     prompt = _prompt(9, 7)
     free = gen.generate([prompt], 8).completions()[0]
     out = gen.generate([prompt], 8, eos_ids=(free[2],))
@@ -452,8 +453,7 @@ def test_the_next_decode_call_is_dispatched_before_a_calls_tokens_are_read():
     prompt = _prompt(9, 7)
     out = gen.generate([prompt], 7, return_logits=True)  # the prefill's token, then 3 calls of 2 steps
     assert log == [("call", 0), ("call", 1), ("read", 0), ("call", 2), ("read", 1), ("read", 2)]
-    one = G.Generator(model, max_seq_len=128, decode_steps=1)
-    alone = one.generate([prompt], 7, return_logits=True)
+    alone = _generator().generate([prompt], 7, return_logits=True)  # the 6 steps in one call
     assert out.completions() == alone.completions() and len(out.step_seconds) == 6
     np.testing.assert_array_equal(out.logits, alone.logits)
 
@@ -462,7 +462,7 @@ def test_generate_equals_a_host_loop_of_single_decode_steps():
     # greedy decoding written out without Generator: prefill, then one jitted decode step per token
     model = load_model(GoldenSet(TINY))
     prompt = _prompt(13, 8)
-    out = G.Generator(model, max_seq_len=128, decode_steps=3).generate([prompt], 8, return_logits=True)
+    out = _generator().generate([prompt], 8, return_logits=True)
     ids = np.zeros((1, 16), np.int32)
     ids[0, :13] = prompt
     logits, cache = jax.jit(model.prefill)(ids, np.asarray([13], np.int32), init_cache(model.args, 1, 128))
