@@ -833,8 +833,8 @@ def ab_section(rep, ceil, tiny, pair, batches, contexts, rounds, steps, cache_le
                         fraction_of_ceiling=by / t / ceil["hbm"], ceiling="hbm", compile_s=round(compile_s[path], 1),
                         tokens_per_s=round(batch / t, 1), steps_per_call=steps, context_bound=context_bound,
                         **row, **extra)
-            # free this pair's weights and caches before the next pair's are made (`use` holds them
-            # through its defaults): two models at once do not fit the card at batch 64, 64k
+            # free this pair's weights and caches before the next batch's are made (`use` holds them
+            # through its defaults): on an H100 batch 1 after batch 8 at 64k ran out of memory
             holder.clear()
             del layout, gens, calls, use
             gc.collect()
