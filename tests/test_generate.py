@@ -330,29 +330,17 @@ def test_context_buckets_are_powers_of_two_from_the_smallest_and_none_at_max_seq
     assert G.context_bucket(10, 512, None) is None and G.context_bucket(10, 32, 32) is None
 
 
-def test_decode_with_context_buckets_gives_the_same_tokens_and_logits_with_one_program_per_bucket():
-    # max_seq_len 512: without buckets every step's indexers score 256 (ratio 2) / 512 (ratio 1)
-    # rows; with buckets from 16 positions the steps at positions 21..32 use bounds 32 and 64
-    # (both crossings inside the run, the candidate layers' widths in whole blocks)
-    model = load_model(GoldenSet(TINY))
-    prompts = [_prompt(21, 4), _prompt(9, 5)]
-    outs, traces = [], []
-    for smallest in (16, None):
-        gen = G.Generator(model, max_seq_len=512, min_context_bucket=smallest)
-        outs.append(gen.generate(prompts, 13, return_logits=True))
-        traces.append(gen.traces["decode"])
-    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
-    np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
-    assert traces == [2, 1]
-
-
-def test_several_decode_steps_per_call_give_the_tokens_and_logits_of_one_step_per_call():
-    # sampled, a ragged batch whose first row meets an eos id mid-call, calls cut at the end of
-    # the context buckets (buckets from 16 positions: row 0 decodes positions 21..32)
+@functools.lru_cache(maxsize=1)
+def _bucketed_runs():
+    """Sampled runs of a ragged batch with context buckets from 16 positions (max_seq_len 512;
+    row 0 decodes positions 21..32, so both crossings, to bounds 32 and 64, fall inside the run):
+    one step a call without eos ids, then five steps a call with row 0's fifth free token as an eos
+    id (row 0 then stops inside a call). Returns (prompts, params, key, eos, runs, decode calls,
+    decode traces), each list one entry per run; the bucket and steps-per-call tests share them."""
     model = load_model(GoldenSet(TINY))
     prompts = [_prompt(21, 4), _prompt(9, 5)]
     params, key = SamplingParams(temperature=1.0, top_k=50), jax.random.key(7)
-    runs, calls, traces = [], [], []
+    runs, calls, traces, eos = [], [], [], ()
     for steps in (1, 5):
         gen = G.Generator(model, max_seq_len=512, min_context_bucket=16, decode_steps=steps)
         decode, count = gen._decode, []
@@ -361,7 +349,25 @@ def test_several_decode_steps_per_call_give_the_tokens_and_logits_of_one_step_pe
         runs.append(gen.generate(prompts, 13, params, key, eos_ids=eos, return_logits=True))
         calls.append(len(count))
         traces.append(gen.traces["decode"])
-    one, many = runs
+    return prompts, params, key, eos, runs, calls, traces
+
+
+def test_decode_with_context_buckets_gives_the_same_tokens_and_logits_with_one_program_per_bucket():
+    # without buckets every step's indexers score 256 (ratio 2) / 512 (ratio 1) rows; with them
+    # the steps use bounds 32 and 64 (the candidate layers' widths in whole blocks)
+    prompts, params, key, eos, runs, _, traces = _bucketed_runs()
+    gen = G.Generator(load_model(GoldenSet(TINY)), max_seq_len=512, min_context_bucket=None, decode_steps=5)
+    whole = gen.generate(prompts, 13, params, key, eos_ids=eos, return_logits=True)
+    np.testing.assert_array_equal(whole.tokens, runs[1].tokens)
+    np.testing.assert_array_equal(whole.logits, runs[1].logits)
+    assert whole.lengths.tolist() == runs[1].lengths.tolist() == [5, 13]
+    assert (traces[1], gen.traces["decode"]) == (2, 1)
+
+
+def test_several_decode_steps_per_call_give_the_tokens_and_logits_of_one_step_per_call():
+    # sampled, a ragged batch whose first row meets an eos id mid-call, calls cut at the end of
+    # the context buckets (`_bucketed_runs`)
+    _, _, _, _, (one, many), calls, traces = _bucketed_runs()
     free = one.completions()
     assert many.lengths.tolist() == [5, 13] and one.lengths.tolist() == [13, 13]  # row 0 stopped inside a call
     assert many.completions() == [free[0][:5], free[1]]
