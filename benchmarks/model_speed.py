@@ -280,6 +280,17 @@ def decode_bytes(args: ModelArgs, pb: dict, batch: int, context: int, hit: list 
     return counts, sum(c[0] for c in counts) + batch * args.dim * 2 + pb["head"]
 
 
+def decode_kind_bytes(args: ModelArgs, pb: dict, batch: int, hit: list | None = None) -> dict:
+    """Bytes a decode step reads for two parts of `KINDS` whose bytes are their weights: the routed
+    experts (`hit`: experts routed to per layer, else `unique_experts` of uniform routing) and
+    the head (bf16 [vocab, dim])."""
+    experts = 0.0
+    for i, lp in enumerate(pb["layers"]):
+        n_exp, k = args.moe_experts(i)
+        experts += (unique_experts(n_exp, k, batch) if hit is None else hit[i]) * lp["per_expert"]
+    return {"routed experts": experts, "head": float(pb["head"])}
+
+
 # ------------------------------------------------------------------------------- on-device init
 
 
@@ -688,7 +699,9 @@ def decode_section(rep, ceil, tiny, batches, contexts, paths, layers_for, profil
                     if (batch, context, path) in profile_for:
                         hlo = f.as_text()
                         _save_hlo(rep, f"decode_{batch}x{context}{_path_suffix(name)}", hlo)
-                        profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo), hlo_text=hlo)
+                        profile_rows(rep, call, name, batch, context, top=24, sources=hlo_sources(hlo), hlo_text=hlo,
+                                     kind_bytes=decode_kind_bytes(args, pb, batch, extra.get("unique_experts_measured")),
+                                     hbm=ceil.get("hbm"))
                     if (batch, context, path) in layers_for:
                         layers_section(rep, ceil, args, graphdef, state, holder["cache"], ids, pos, counts, path,
                                        loop_steps)
@@ -983,6 +996,53 @@ def _source_of(sources: dict, op: str) -> str | None:
     return sources.get(op) or sources.get(re.sub(r"_\d+$", "", op))
 
 
+# the parts of a step a profile's kernels are summed into ("  kind ..." rows), in print order
+KINDS = ("routed experts", "dense fp8 kernel", "attention", "head", "other")
+
+
+def op_kind(op: str, source: str | None) -> str:
+    """The part of the model a profiled kernel belongs to (one of `KINDS`), from its name and its
+    emitting source line (`_source_of`, "file:line function"): the routed-expert and dense fp8
+    Pallas kernels by name; the sparse attention (the float64 reference's gathers, dots and
+    softmax, cuBLAS's float64 GEMMs, which carry no source line, or the attention kernel); the
+    head's GEMM; everything else (norms, casts, quantisers, router, hyper-connections, indexer,
+    cache writes)."""
+    fn = (source or "").rsplit(" ", 1)[-1]
+    if op.startswith("expert_matmul"):
+        return "routed experts"
+    if op.startswith("fp8_matmul"):
+        return "dense fp8 kernel"
+    if fn in ("_attend", "_sparse_attn") or op.startswith("sparse_attn") or "gemm_f64" in op:
+        return "attention"
+    if fn == "head_logits":
+        return "head"
+    return "other"
+
+
+def kind_rows(rep, name, batch, context, per_op: dict, launches: dict, sources: dict, reps: int,
+              stream_ns: float, kind_bytes: dict | None = None, hbm: float | None = None):
+    """One "  kind <part>" row per `KINDS` entry with kernels: its kernel time a step, share of
+    the step's kernel time and launches a step; with `kind_bytes` (bytes a step of a part, e.g.
+    the routed experts the step's routing hit) and the copy bandwidth `hbm`, also the part's
+    bytes and its fraction of that bandwidth."""
+    ns_of: dict = {}
+    n_of: dict = {}
+    for op, ns in per_op.items():
+        k = op_kind(op, _source_of(sources, op))
+        ns_of[k] = ns_of.get(k, 0) + ns
+        n_of[k] = n_of.get(k, 0) + launches[op]
+    for k in KINDS:
+        if k not in ns_of:
+            continue
+        t = ns_of[k] * 1e-9 / reps
+        by = (kind_bytes or {}).get(k, 0)
+        frac = by / t / hbm if by and hbm and t > 0 else None
+        extra = {} if frac is None else {"ceiling": "hbm"}
+        rep.add(name=f"  kind {k}", batch=batch, context=context, seconds=t, bytes=by, flops=0,
+                fraction_of_ceiling=frac, share=round(ns_of[k] / max(stream_ns, 1), 3),
+                launches_per_step=round(n_of[k] / reps), **extra)
+
+
 def path_label(sources: dict, inst: cp.Inst) -> str:
     """A kernel-launching instruction's label in path rows: the project line that emitted it
     (`hlo_sources`), else its Pallas kernel's name or its own name without the number."""
@@ -1037,7 +1097,7 @@ def kernel_alone(events) -> dict:
 
 
 def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, sources: dict | None = None,
-                 hlo_text: str | None = None):
+                 hlo_text: str | None = None, kind_bytes: dict | None = None, hbm: float | None = None):
     """Device time of one call from a jax.profiler trace: the total over the GPU stream lines
     (`busy_s`: the time any kernel runs, which is less where kernels overlap; `kernel_totals`;
     `alone_s`: the time exactly one kernel runs, `kernel_alone`), and the ops taking the most
@@ -1046,7 +1106,9 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
     profile_<decode|prefill>_<batch>x<context>.json beside model_speed.json (and the optimized
     HLO, gzipped, beside it). With `hlo_text` (the profiled program's optimized HLO), also its
     critical path (`critical_path_rows`), and the traced kernel events in
-    events_<decode|prefill>_<batch>x<context>.json.gz ([name, start_ns, duration_ns])."""
+    events_<decode|prefill>_<batch>x<context>.json.gz ([name, start_ns, duration_ns]). With
+    `sources`, the kernel time by part of the model too (`kind_rows`; `kind_bytes`, `hbm`: bytes
+    a step per part and the copy bandwidth, for a part's fraction of it)."""
     import glob
     import tempfile
 
@@ -1078,6 +1140,7 @@ def profile_rows(rep, call, name, batch, context, reps: int = 3, top: int = 14, 
             gzip.compress(json.dumps([[n, t, d] for n, t, d in events]).encode()))
     if sources is None:
         return
+    kind_rows(rep, name, batch, context, per_op, launches, sources, reps, stream_ns, kind_bytes, hbm)
     by_src: dict = {}
     for op, ns in per_op.items():
         src = _source_of(sources, op) or "(no source: " + op.rstrip("_0123456789") + ")"

@@ -276,6 +276,49 @@ def test_kernel_alone_counts_only_the_time_one_kernel_runs_by_itself():
     assert kernel_alone([]) == {}
 
 
+def test_kind_rows_sum_a_profile_by_part_of_the_model(tmp_path):
+    # kernel names and source lines as a batch-64 decode profile on the H100 named them
+    sources = {"loop_convert_fusion_4": "reference.py:22 _attend", "gemm_fusion_dot_general_61": "model.py:154 head_logits",
+               "input_reduce_fusion_47": "numerics.py:94 mean", "router_logits": "reference.py:67 router_logits",
+               "input_exponential_reduce_fusion_1": "reference.py:27 _attend"}
+    per_op = {"expert_matmul_fp4_x2": 6000, "expert_matmul_fp4": 3000, "fp8_matmul__3": 400, "fp8_matmul": 100,
+              "loop_convert_fusion_4": 300, "sm90_xmma_gemm_f64f64_f64f64_f64_tn_n_tilesize64x64x16_stage": 200,
+              "input_exponential_reduce_fusion_1": 50, "gemm_fusion_dot_general_61": 450, "input_reduce_fusion_47": 30,
+              "router_logits": 20}
+    launches = dict.fromkeys(per_op, 3)
+    rep = model_speed.Report(tmp_path, {})
+    model_speed.kind_rows(rep, "decode fast", 64, 4096, per_op, launches, sources, 3, sum(per_op.values()),
+                          {"routed experts": 2.7e3, "head": 450.0}, hbm=1e9)
+    rows = {r["name"]: r for r in rep.rows}
+    assert list(rows) == [f"  kind {k}" for k in model_speed.KINDS]
+    # (ns over the 3 steps, kernels a step: each op launched 3 times in 3 steps)
+    want = {"routed experts": (9000, 2), "dense fp8 kernel": (500, 2), "attention": (550, 3), "head": (450, 1),
+            "other": (50, 2)}
+    for k, (ns, n) in want.items():
+        r = rows[f"  kind {k}"]
+        assert r["seconds"] == pytest.approx(ns * 1e-9 / 3) and r["launches_per_step"] == n
+        assert r["share"] == round(ns / 10550, 3)
+    # bytes a step over time a step over the bandwidth: 2.7e3 B in 3e-6 s at 1e9 B/s
+    assert rows["  kind routed experts"]["fraction_of_ceiling"] == pytest.approx(0.9)
+    assert rows["  kind head"]["fraction_of_ceiling"] == pytest.approx(3.0)
+    assert rows["  kind other"]["fraction_of_ceiling"] is None and "ceiling" not in rows["  kind other"]
+
+
+def test_decode_kind_bytes_counts_the_routed_experts_hit_and_the_head():
+    args = ModelArgs.tiny()
+    pb = model_speed.param_bytes(args)
+    hit = [3] * args.n_layers
+    got = model_speed.decode_kind_bytes(args, pb, 2, hit)
+    assert got["routed experts"] == pytest.approx(sum(3 * lp["per_expert"] for lp in pb["layers"]))
+    assert got["head"] == pb["head"] == args.vocab_size * args.dim * 2
+    # uniform routing without a measured count: `unique_experts` of the batch's tokens
+    n_exp, k = args.moe_experts(0)
+    uniform = model_speed.decode_kind_bytes(args, pb, 2)["routed experts"]
+    assert uniform == pytest.approx(sum(model_speed.unique_experts(*args.moe_experts(i), 2) * lp["per_expert"]
+                                        for i, lp in enumerate(pb["layers"])))
+    assert uniform > 0 and n_exp >= k
+
+
 def test_fp4_mosaic_probe_decode_bits_give_every_code_times_every_folded_scale():
     """benchmarks/fp4_mosaic_probe.py's integer steps (the same functions its kernel applies to
     register values), run here on numpy: every byte's low and high nibble, as bf16 bits, times
