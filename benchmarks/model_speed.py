@@ -177,9 +177,10 @@ def param_bytes(args: ModelArgs) -> dict:
     experts per expert, of everything else the layer reads each step ("dense": attention,
     compressor, indexer, router, shared expert, norms, hyper-connections), and the elements of
     the per-token linears outside the experts ("dense_elems"; packed fp4 bytes count twice);
-    plus embedding and head bytes."""
+    plus embedding and head bytes. "dense_fp8": the part of "dense" stored as fp8 (e4m3 weights
+    and their e8m0 scales: the projections the dense fp8 kernel reads)."""
     abstract = nnx.eval_shape(lambda: Transformer(args))
-    per_layer = [{"dense": 0, "experts": 0, "dense_elems": 0} for _ in range(args.n_layers)]
+    per_layer = [{"dense": 0, "experts": 0, "dense_elems": 0, "dense_fp8": 0} for _ in range(args.n_layers)]
     out = {"layers": [], "embed": 0, "head": 0}
     for keys, leaf in _flat(nnx.state(abstract)):
         b = _nbytes(leaf)
@@ -190,6 +191,8 @@ def param_bytes(args: ModelArgs) -> dict:
         d = per_layer[int(keys[1])]
         routed = keys[2:4] == ["ffn", "experts"]
         d["experts" if routed else "dense"] += b
+        if not routed and leaf.dtype in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu):
+            d["dense_fp8"] += b
         shared_expert = keys[2:4] == ["ffn", "shared_experts"]
         matrix = len(leaf.shape) >= 2 and (keys[-1] == "weight" or keys[-1].endswith("_fn"))
         if not routed and not shared_expert and matrix:
@@ -197,7 +200,8 @@ def param_bytes(args: ModelArgs) -> dict:
             d["dense_elems"] += 2 * n if leaf.dtype == jnp.int8 else n
     for i, d in enumerate(per_layer):
         n_exp, _ = args.moe_experts(i)
-        out["layers"].append({"dense": d["dense"], "per_expert": d["experts"] / n_exp, "dense_elems": d["dense_elems"]})
+        out["layers"].append({"dense": d["dense"], "per_expert": d["experts"] / n_exp, "dense_elems": d["dense_elems"],
+                              "dense_fp8": d["dense_fp8"]})
     return out
 
 
@@ -281,14 +285,16 @@ def decode_bytes(args: ModelArgs, pb: dict, batch: int, context: int, hit: list 
 
 
 def decode_kind_bytes(args: ModelArgs, pb: dict, batch: int, hit: list | None = None) -> dict:
-    """Bytes a decode step reads for two parts of `KINDS` whose bytes are their weights: the routed
-    experts (`hit`: experts routed to per layer, else `unique_experts` of uniform routing) and
-    the head (bf16 [vocab, dim])."""
+    """Bytes a decode step reads for the parts of `KINDS` whose bytes are their weights: the routed
+    experts (`hit`: experts routed to per layer, else `unique_experts` of uniform routing), the
+    dense fp8 projections (e4m3 weights and e8m0 scales outside the routed experts) and the head
+    (bf16 [vocab, dim])."""
     experts = 0.0
     for i, lp in enumerate(pb["layers"]):
         n_exp, k = args.moe_experts(i)
         experts += (unique_experts(n_exp, k, batch) if hit is None else hit[i]) * lp["per_expert"]
-    return {"routed experts": experts, "head": float(pb["head"])}
+    return {"routed experts": experts, "dense fp8 kernel": float(sum(lp["dense_fp8"] for lp in pb["layers"])),
+            "head": float(pb["head"])}
 
 
 # ------------------------------------------------------------------------------- on-device init

@@ -304,13 +304,19 @@ def test_kind_rows_sum_a_profile_by_part_of_the_model(tmp_path):
     assert rows["  kind other"]["fraction_of_ceiling"] is None and "ceiling" not in rows["  kind other"]
 
 
-def test_decode_kind_bytes_counts_the_routed_experts_hit_and_the_head():
+def test_decode_kind_bytes_counts_the_routed_experts_hit_the_fp8_projections_and_the_head():
     args = ModelArgs.tiny()
     pb = model_speed.param_bytes(args)
     hit = [3] * args.n_layers
     got = model_speed.decode_kind_bytes(args, pb, 2, hit)
     assert got["routed experts"] == pytest.approx(sum(3 * lp["per_expert"] for lp in pb["layers"]))
     assert got["head"] == pb["head"] == args.vocab_size * args.dim * 2
+    # the fp8 projections outside the routed experts: every e4m3 weight and e8m0 scale there
+    _, state = nnx.split(nnx.eval_shape(lambda: model_speed.Transformer(args)))
+    fp8 = [(k, v) for k, v in model_speed._flat(state) if k[0] == "layers" and k[2:4] != ["ffn", "experts"]
+           and v.dtype in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu)]
+    assert {".".join(k[2:]) for k, _ in fp8} >= {"attn.wq_a.weight", "attn.wo_b.scale", "ffn.shared_experts.w2.weight"}
+    assert got["dense fp8 kernel"] == sum(int(np.prod(v.shape)) for _, v in fp8) > 0
     # uniform routing without a measured count: `unique_experts` of the batch's tokens
     n_exp, k = args.moe_experts(0)
     uniform = model_speed.decode_kind_bytes(args, pb, 2)["routed experts"]
