@@ -60,10 +60,13 @@ def linear_bytes(m: int, k: int, n: int) -> float:
 
 
 def parse_variant(text: str) -> api.BlockSizes:
-    """"bn=64/bk=256/w=4/st=3/ks=2/q=0/gs=1/tp=528" -> BlockSizes (unnamed fields keep their defaults)."""
+    """"bn=64/bk=256/w=4/st=3/ks=2/q=0/gs=1/tp=528/swap=1" -> BlockSizes (unnamed fields keep their
+    defaults; swap: `BlockSizes.swap_ab`)."""
     names = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "ks": "k_splits", "w": "num_warps",
-             "st": "num_stages", "q": "quantise_one_row", "gs": "one_row_group_sums", "tp": "target_programs"}
-    kw = {names[k]: bool(int(v)) if k in ("q", "gs") else int(v) for k, v in (p.split("=") for p in text.split("/") if p)}
+             "st": "num_stages", "q": "quantise_one_row", "gs": "one_row_group_sums", "tp": "target_programs",
+             "swap": "swap_ab"}
+    flags = ("q", "gs", "swap")
+    kw = {names[k]: bool(int(v)) if k in flags else int(v) for k, v in (p.split("=") for p in text.split("/") if p)}
     return api.BlockSizes(**kw)
 
 
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8,64,256,1024", help="activation rows M (comma list)")
     p.add_argument("--decodes", default="native,bits", help="kernel decodes timed (comma list)")
-    p.add_argument("--variants", default="", help="kernel tiles also timed, comma list of bn=64/bk=256/w=4/st=3")
+    p.add_argument("--variants", default="", help="kernel tiles also timed, comma list of bn=64/bk=256/w=4/st=3/swap=1")
     p.add_argument("--only", default="", help="time only the projections whose name contains this")
     p.add_argument("--json", default=None, help="write the rows here")
     a = p.parse_args(argv)

@@ -3,6 +3,7 @@
     pip install -e ".[sass]"   # the triton package: not a project dependency, only this tool uses it
     python -m benchmarks.triton_sass [--variants JSON] [--sites ...] [--json PATH]
     python -m benchmarks.triton_sass --ptx module.ptx [--function REGEX]   # a device's dump
+    python -m benchmarks.triton_sass --fp8 '[{"site": "wq_b", "rows": 64, "swap_ab": true}]'  # the dense fp8 kernel
 
 The Pallas kernel (`pallas_kernels.expert_matmul.kernel_gpu`) is lowered for CUDA on this host
 (no GPU needed: the Pallas -> Triton IR step is jax's own), and the Triton IR is compiled for
@@ -328,6 +329,44 @@ def attention_f64_row(rows: int, **overrides) -> dict:
             "stack_bytes": int(stack.group(1)) if stack else None}
 
 
+# the dense fp8 kernel's released projections for --fp8: name -> (N, K) (benchmarks.fp8_linear.SHAPES)
+FP8_SITES = {"wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared w1": (2304, 5120), "shared w2": (5120, 2304)}
+
+
+def fp8_row(site: str, rows: int, **overrides) -> dict:
+    """The dense fp8 kernel (`pallas_kernels.fp8_matmul`) for one released projection (`FP8_SITES`)
+    at `rows` rows, at `api.BlockSizes`' tiles for that shape with `overrides` (BlockSizes
+    fields, e.g. {"swap_ab": true}): the K loop's instructions a warp, its mix (MMA, STS: stores
+    to shared memory, i.e. a decoded weight tile on its way to the MMA; LDS / LDSM: loads from
+    it), per weight element a thread's share, registers, spills and shared memory. A launch
+    whose programs take one K step each (K splits) has no loop: the whole kernel is counted
+    ("loop": false)."""
+    from pallas_kernels.fp8_matmul import api, kernel_gpu
+
+    n, k = FP8_SITES[site]
+    bs = dataclasses.replace(api.BlockSizes(), **overrides).resolved(rows, n, k)
+    kw = {"block_m": bs.block_m, "block_n": bs.block_n, "block_k": bs.block_k, "k_splits": bs.k_splits,
+          "num_warps": bs.num_warps, "num_stages": bs.num_stages, "decode": bs.decode,
+          "swap_ab": bs.swap_ab and bs.block_m != 1}
+    x = jnp.zeros((rows, k), jnp.bfloat16)
+    w = jnp.zeros((n, k), jnp.float8_e4m3fn)
+    s = jnp.zeros((n // 32, k // 32), jnp.uint8)
+    irs = triton_ir(lambda x: kernel_gpu.fp8_matmul_many(x, (w,), (s,), interpret=False, **kw), x)
+    sass, usage, shared = compile_sass(irs[0], bs.num_warps, bs.num_stages)
+    try:
+        ops, looped = loop_stats(sass), True
+    except ValueError:  # one K step a program (K splits): no loop, count the whole kernel
+        found = [m for m in map(_INSTR.match, sass.splitlines()) if m]
+        ops, looped = {"instructions": len(found), "ops": dict(collections.Counter(m.group(2) for m in found))}, False
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    per_elem = bs.block_n * bs.block_k / (32 * bs.num_warps)  # a thread's share of a step's weight elements
+    return {"site": site, "rows": rows, "kernel": kw, "loop": looped, "loop_instructions": ops["instructions"],
+            "instructions_per_weight": ops["instructions"] / per_elem, "mma": _mma(ops["ops"]),
+            "sts": _count(ops["ops"], "STS"), "lds": _count(ops["ops"], "LDS"),
+            "spill_ops": _count(ops["ops"], "STL", "LDL"), "registers": int(regs.group(1)) if regs else None,
+            "stack_bytes": int(stack.group(1)) if stack else None, "shared_bytes": shared}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.triton_sass", description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="[{}]", help="JSON list of kernel keyword overrides ({} = the defaults)")
@@ -338,12 +377,17 @@ def main(argv=None) -> int:
     p.add_argument("--function", default="expert_matmul", help="with --ptx: a regex the kernels' names match")
     p.add_argument("--attention-f64", default=None,
                    help='instead: the float64 attention program, a JSON list of {"rows": R, tile overrides}')
+    p.add_argument("--fp8", default=None,
+                   help='instead: the dense fp8 kernel, a JSON list of {"site": S, "rows": R, BlockSizes overrides} '
+                        f'(sites: {", ".join(FP8_SITES)})')
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     if ns.ptx:
         return _ptx_main(p, ns)
     if ns.attention_f64:
         return _attention_main(ns)
+    if ns.fp8:
+        return _fp8_main(ns)
     try:
         variants = json.loads(ns.variants)
         if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
@@ -408,6 +452,31 @@ def _attention_main(ns) -> int:
         rows.append(r)
         print(f"| {r['rows']} | {r['kernel']} | {r['f64_mul_per_thread']} | {r['f64_mul_needed_per_thread']:.0f} | "
               f"{r['spill_ops']} | {r['registers']} | {r['stack_bytes']} |", flush=True)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
+    return 0
+
+
+def _fp8_main(ns) -> int:
+    rows = []
+    print("| site | rows | tiles | loop instr. / warp | instr. / weight | MMA | STS | LDS | spill ops | regs | "
+          "shared KB |")
+    print("|" + " --- |" * 11)
+    for v in json.loads(ns.fp8):
+        v = dict(v)
+        site, n_rows = v.pop("site", "wq_b"), v.pop("rows", 64)
+        try:
+            r = fp8_row(site, n_rows, **v)
+        except NotImplementedError as e:
+            rows.append({"site": site, "rows": n_rows, "variant": v, "error": str(e)})
+            print(f"| {site} | {n_rows} | {v} | refused: {e} |", flush=True)
+            continue
+        rows.append(r)
+        mma = ", ".join(f"{k} {c}" for k, c in r["mma"].items())
+        loop = r["loop_instructions"] if r["loop"] else f"{r['loop_instructions']} (no loop: whole kernel)"
+        print(f"| {site} | {n_rows} | {r['kernel']} | {loop} | {r['instructions_per_weight']:.2f} | "
+              f"{mma} | {r['sts']} | {r['lds']} | {r['spill_ops']} | {r['registers']} | "
+              f"{r['shared_bytes'] / 1024:.0f} |", flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"triton": sys.modules["triton"].__version__, "rows": rows}, indent=1))
     return 0

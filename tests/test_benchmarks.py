@@ -325,6 +325,16 @@ def test_decode_kind_bytes_counts_the_routed_experts_hit_the_fp8_projections_and
     assert uniform > 0 and n_exp >= k
 
 
+def test_fp8_linear_variants_name_block_sizes_fields():
+    from benchmarks.fp8_linear import parse_variant
+    from pallas_kernels.fp8_matmul import api
+
+    bs = parse_variant("bn=128/bk=128/w=8/st=2/swap=1")
+    assert (bs.block_n, bs.block_k, bs.num_warps, bs.num_stages, bs.swap_ab) == (128, 128, 8, 2, True)
+    assert parse_variant("q=0/gs=1") == api.BlockSizes(quantise_one_row=False, one_row_group_sums=True)
+    assert parse_variant("") == api.BlockSizes() and api.BlockSizes().swap_ab is False
+
+
 def test_fp4_mosaic_probe_decode_bits_give_every_code_times_every_folded_scale():
     """benchmarks/fp4_mosaic_probe.py's integer steps (the same functions its kernel applies to
     register values), run here on numpy: every byte's low and high nibble, as bf16 bits, times
@@ -799,6 +809,25 @@ def test_triton_sass_counts_the_loops_of_a_ptx_module(tmp_path, capsys):
     with pytest.raises(SystemExit):
         triton_sass.main(["--ptx", str(tmp_path / "m.ptx"), "--function", "sinkhorn"])
     assert "no kernel with a loop matches --function 'sinkhorn'" in capsys.readouterr().err
+
+
+def test_triton_sass_fp8_rows_show_the_swapped_operands_keep_the_weight_tile_out_of_shared_memory(capsys):
+    """--fp8 (the dense fp8 kernel compiled for sm_90 by the triton package): at 64 rows the
+    default tile stores its decoded weight tile to shared memory before the wgmma (STS in the K
+    loop), `swap_ab` does not; at 8 rows (16-row tiles) `swap_ab` turns mma.sync into wgmma.
+    Measured (triton 3.9.0): wq_b at 64 rows STS 16 -> 0, at 8 rows HMMA.16816 32 -> HGMMA.64 16."""
+    pytest.importorskip("triton")
+    from benchmarks import triton_sass
+
+    plain, swapped = (triton_sass.fp8_row("wq_b", 64, swap_ab=sw) for sw in (False, True))
+    assert plain["sts"] > 0 and swapped["sts"] == 0, (plain, swapped)
+    assert plain["kernel"]["swap_ab"] is False and swapped["kernel"]["swap_ab"] is True
+    small = triton_sass.fp8_row("wq_b", 8, swap_ab=True)
+    assert any(k.startswith("HGMMA") for k in small["mma"]) and not any(k.startswith("HMMA") for k in small["mma"])
+    # one K step a program (shared w2 at 16 rows: 9 K blocks in 9 splits): the whole kernel counted
+    assert triton_sass.main(["--fp8", '[{"site": "shared w2", "rows": 16}, {"site": "wq_b", "rows": 16}]']) == 0
+    out = capsys.readouterr().out
+    assert "| shared w2 | 16 |" in out and "(no loop: whole kernel)" in out and "| wq_b | 16 |" in out
 
 
 def test_launch_count_chains_a_compiled_decode_step_by_source():

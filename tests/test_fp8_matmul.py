@@ -78,6 +78,9 @@ CASES = {
     "rows_across_m_blocks": (37, 96, 256, {"block_m": 16, "block_n": 32}),
     "released_wq_a_one_row": (1, 1280, 5120, {}),
     "many_rows_short_k": (130, 64, 128, {"block_k": 64}),
+    "rows_across_m_blocks_swap_ab": (37, 96, 256, {"block_m": 16, "block_n": 32, "swap_ab": True}),
+    "sixty_four_rows_swap_ab_k_split": (64, 128, 512, {"swap_ab": True, "k_splits": 2}),
+    "one_row_ignores_swap_ab": (1, 128, 256, {"swap_ab": True}),
 }
 
 
@@ -152,6 +155,50 @@ def test_kernel_lowers_to_triton_for_cuda(decode, k_splits, n_w, groups, block_m
         num_stages=3, decode=decode, interpret=False, groups=groups, group_sums=group_sums)
     text = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "fp8_matmul" in text
+
+
+@pytest.mark.parametrize(("k_splits", "n_w", "groups"), [(1, 1, 1), (4, 2, 1), (2, 1, 4)])
+def test_swapped_operand_kernel_lowers_to_triton_for_cuda(k_splits, n_w, groups):
+    """`swap_ab` (the decoded weight tile as each dot's first operand) lowers for CUDA without a
+    GPU: one matrix, two in one launch with K splits, a grouped matrix."""
+    x, w, s, _, _ = make(np.random.default_rng(0), 64, 256, 2048)
+    x = jnp.tile(x, (1, groups))
+    f = lambda x, w, s: kernel_gpu.fp8_matmul_many(
+        x, (w,) * n_w, (s,) * n_w, block_m=64, block_n=64, block_k=256, k_splits=k_splits, num_warps=4,
+        num_stages=3, decode="native", interpret=False, groups=groups, swap_ab=True)
+    lowered = jax.jit(f).trace(x, w, s).lower(lowering_platforms=("cuda",))
+    assert "fp8_matmul" in lowered.as_text()
+    want = (k_splits, 64, 256) if k_splits > 1 else (64, 256)
+    assert [o.shape for o in lowered.out_info] == [want] * n_w
+
+
+@pytest.mark.parametrize(("m", "k_splits"), [(64, 1), (37, 2)])
+def test_swapped_operands_give_the_default_tiles_outputs(m, k_splits):
+    """Interpret mode: `swap_ab` computes [block_n, block_m] (its dot's result in the kernel's
+    program) and transposes it; its outputs are the default tiles' (the same products and K
+    steps), bit for bit here; one-row launches refuse it. Through `api.linear`, the
+    BlockSizes field reaches the kernel."""
+    x, w, s, _, _ = make(np.random.default_rng(m), m, 128, 512)
+    block_m = 16 if m < 64 else 64
+    tiles = {"block_m": block_m, "block_n": 32, "block_k": 128, "k_splits": k_splits,
+             "num_warps": 4, "num_stages": 3, "decode": "native", "interpret": True}
+    for sw, acc in ((False, f"f32[{block_m},32] = dot_general"), (True, f"f32[32,{block_m}] = dot_general")):
+        program = str(jax.make_jaxpr(lambda x, w, s, sw=sw: kernel_gpu.fp8_matmul_many(
+            x, (w,), (s,), swap_ab=sw, **dict(tiles, interpret=False)))(x, w, s))
+        assert acc in program, sw
+    (plain,), (swapped,) = (kernel_gpu.fp8_matmul_many(x, (w,), (s,), swap_ab=sw, **tiles) for sw in (False, True))
+    assert swapped.shape == plain.shape and swapped.dtype == plain.dtype
+    np.testing.assert_array_equal(np.asarray(swapped, np.float32), np.asarray(plain, np.float32))
+    with pytest.raises(NotImplementedError, match="swap_ab"):
+        kernel_gpu.fp8_matmul_many(x[:1], (w,), (s,), swap_ab=True, **dict(tiles, block_m=1))
+    seen = []
+    real = kernel_gpu.fp8_matmul_many
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_gpu, "fp8_matmul_many", lambda *a, **kw: seen.append(kw["swap_ab"]) or real(*a, **kw))
+        for rows in (m, 1):  # one-row launches ignore the field
+            bs = api.BlockSizes(swap_ab=True, block_n=32, block_k=128, k_splits=k_splits)
+            api.linear(x[:rows], w, s, implementation="pallas", interpret=True, block_sizes=bs)
+    assert seen == [True, False]
 
 
 @pytest.mark.parametrize("k_splits", [1, 2])

@@ -70,6 +70,12 @@ class BlockSizes:
       decode step at batch 1 1502 against 1444 µs (benchmarks/README.md, twenty-first run).
       Tensor-core tiles keep the fewest (in the step at batch 8 / 64 the rule measured 4271 /
       15656 against 4222 / 15738 µs: no gain).
+    swap_ab: tensor-core tiles (block_m >= 16) take the decoded weight tile as each dot's first
+      operand, so on sm_90 it can reach the MMA from registers instead of through shared memory
+      (kernel_gpu's docstring; the expert kernel's `swap_ab`). Same products and K steps. One-row
+      launches ignore it. Off: not yet timed (benchmarks.fp8_linear --variants swap=1 ...);
+      the 64-row launches run at about 31% of the copy rate (benchmarks/README.md, forty-eighth
+      session), bound by the weight tile's widening and layout change, not by HBM.
     num_warps, num_stages: Triton launch parameters. decode: "native" | "bits" (kernel_gpu).
     max_rows: above this many rows `linear` uses XLA's GEMM instead of the kernel (64: on the H200
       the kernel is 1.7x faster at 64 rows and 1.45x slower at 256, benchmarks/README.md).
@@ -81,6 +87,7 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "native"
+    swap_ab: bool = False
     max_rows: int = 64
     target_programs: int = 264  # two per SM of an H100/H200
     min_wave_fill: float = 0.7
@@ -154,7 +161,8 @@ def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False,
                                           block_m=bs.block_m, block_n=bs.block_n, block_k=bs.block_k,
                                           k_splits=bs.k_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
                                           decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise,
-                                          group_sums=bs.one_row_group_sums and bs.block_m == 1, norm=norm)
+                                          group_sums=bs.one_row_group_sums and bs.block_m == 1, norm=norm,
+                                          swap_ab=bs.swap_ab and bs.block_m != 1)
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)

@@ -45,6 +45,13 @@ Grouped ("groups" = G > 1, the attention's block-diagonal `wo_a`): x [M, G*K] ho
 side by side and the weight's N rows form G equal groups; output column n belongs to group
 n // (N/G) and reads only its group's K columns of x (block_n divides N/G).
 
+Swapped operands ("swap_ab", tensor-core tiles only): each dot takes the decoded weight tile
+[block_n, block_k] as its first operand and the x tile as its second, accumulating [block_n,
+block_m], transposed once before the store. On sm_90 the MMA's first operand can come from
+registers, where the decode leaves the weight tile, and the second from shared memory, where x
+arrives, so the decoded tile need not be written to shared memory and read back in the MMA's
+layout (the expert kernel's `swap_ab`). Same products and K steps.
+
 Numerics: every product is exact (bf16 x bf16 in fp32), so the result differs from the XLA path
 (widen to bf16, one dot) only in the order the fp32 products are added.
 """
@@ -77,7 +84,7 @@ def _e4m3_bits_f32(code: jax.Array) -> jax.Array:
 
 def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_steps: int, decode: str,
             split: bool, col_blocks: tuple[int, ...], group_cols: int, k: int, quantise: bool, group_sums: bool,
-            norm_eps: float | None, interpret: bool, x_splits: int):
+            norm_eps: float | None, interpret: bool, x_splits: int, swap_ab: bool = False):
     # x_ref [M, K] bf16 (grouped: [M, G*K], output column n reads from column (n // group_cols) * K;
     # x_splits > 1: [x_splits, 1, K] fp32 partial sums of the row);
     # with norm_eps, nw_ref [1, K] bf16 (the RMSNorm weight); then per weight t: w_ref [N_t, K]
@@ -129,9 +136,13 @@ def _kernel(x_ref, *refs, m: int, block_m: int, block_n: int, block_k: int, k_st
                     return acc + jnp.sum(runs * s_runs, axis=1)[None, :]
                 return acc + jnp.sum((wf * e8m0_wide(sb)) * xf, axis=1)[None, :]
             wv = (wf * e8m0_wide(sb)).astype(jnp.bfloat16)  # exact
-            return acc + jax.lax.dot_general(xb, wv, dims, preferred_element_type=jnp.float32)
+            a, b = (wv, xb) if swap_ab else (xb, wv)
+            return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+        shape = (block_n, block_m) if swap_ab else (block_m, block_n)
+        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros(shape, jnp.float32))
+        if swap_ab:
+            acc = acc.T
         out_rows = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
         cols = pl.ds(n0, block_n)
         if split:
@@ -162,7 +173,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, s: jax.Array, *, groups: int = 1, **t
 def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array, ...], *, block_m: int,
                     block_n: int, block_k: int, k_splits: int, num_warps: int, num_stages: int, decode: str,
                     interpret: bool, groups: int = 1, quantise: bool = False, group_sums: bool = False,
-                    norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
+                    norm: tuple[jax.Array, float] | None = None, swap_ab: bool = False) -> tuple[jax.Array, ...]:
     """The same rows x bf16 [M, K] times several block-scaled matrices ws[t] e4m3 [N_t, K] (scales
     ss[t] [N_t/32, K/32]) in one launch: one tuple entry per matrix, each as `fp8_matmul` returns
     it. The grid's column blocks run through the matrices in order; every output column is
@@ -176,6 +187,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     scale multiplies it (module docstring).
     `norm` (weight bf16 [K], eps): one row (block_m 1, no groups) before its RMSNorm, applied in
     the kernel (module docstring): the launch takes `numerics.rms_norm(x, weight, eps)`'s place.
+    `swap_ab`: tensor-core tiles (block_m >= 16) with the decoded weight tile as each dot's first
+    operand (module docstring).
     x may also be fp32 [S, 1, K]: one row as the S K-split partial sums of the launch before
     (block_m 1, no groups, no norm), added in split order and rounded to bf16 as each x tile is
     loaded, in place of the caller's sum.
@@ -198,6 +211,8 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
     if norm is not None and (block_m != 1 or groups != 1 or norm[0].shape != (k,)):
         raise NotImplementedError(f"the in-kernel RMSNorm takes one row (block_m 1, no groups) and a weight [{k}], "
                                   f"got {block_m=} {groups=} weight {norm[0].shape}")
+    if swap_ab and block_m == 1:
+        raise NotImplementedError("swap_ab swaps the operands of tensor-core tiles (block_m >= 16), got block_m=1")
     if group_sums and block_m != 1:
         raise NotImplementedError(f"group_sums is the one-row (block_m 1) product sum, got {block_m=}")
     if xv.dtype != jnp.bfloat16 and not quantise:
@@ -239,7 +254,7 @@ def fp8_matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], ss: tuple[jax.Array
                                group_cols=ws[0].shape[0] // groups if groups > 1 else None, k=k,
                                quantise=quantise, group_sums=group_sums,
                                norm_eps=None if norm is None else float(norm[1]), interpret=interpret,
-                               x_splits=x_splits)
+                               x_splits=x_splits, swap_ab=swap_ab)
     out_shape = tuple(jax.ShapeDtypeStruct((k_splits, m, w.shape[0]), jnp.float32) if split
                       else jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16) for w in ws)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j, ks: (0,) * len(shape))
