@@ -226,6 +226,22 @@ def _count(ops: dict, *prefixes: str) -> int:
     return sum(v for k, v in ops.items() if k.startswith(prefixes))
 
 
+def loop_or_kernel_ops(sass: str) -> tuple[dict, bool]:
+    """(`loop_stats` of the SASS, True), or for a kernel without a loop (one K step a program:
+    the loop unrolled away) the same counts over the whole kernel, False."""
+    try:
+        return loop_stats(sass), True
+    except ValueError:
+        found = [m for m in map(_INSTR.match, sass.splitlines()) if m]
+        return {"instructions": len(found), "ops": dict(collections.Counter(m.group(2) for m in found))}, False
+
+
+def _resources(usage: str) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) from cuobjdump's resource-usage line."""
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return (int(regs.group(1)) if regs else None), (int(stack.group(1)) if stack else None)
+
+
 def _mma(ops: dict) -> dict:
     """The MMA opcodes of a loop's mix (HMMA: mma.sync, HGMMA: wgmma) and their counts."""
     return {k: v for k, v in ops.items() if k.startswith(("HMMA", "HGMMA"))}
@@ -280,10 +296,9 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
     # a thread's codes per K step: a warp's instruction works for its 32 threads, and the warps
     # of a program share the step's g x block_n x block_k codes
     codes = g * bn * bk / (kw["num_warps"] * 32)
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
+    regs, stack = _resources(usage)
     bound = issue_bound(st["instructions"], kw["num_warps"], g * bn * (bk // 2 + bk // 32), g * 2 * rows * bn * bk)
-    resident = programs_per_sm(int(regs.group(1)), kw["num_warps"], shared) if regs else None
+    resident = programs_per_sm(regs, kw["num_warps"], shared) if regs else None
     # a one-token gather launch (16-row tiles, one pair each): its programs over the SMs' slots
     one_token = TOP_K * (n // bn) * kw.get("k_splits", 1) if rows == 16 else None
     waves = one_token / (H200_SMS * resident["programs"]) if one_token and resident else None
@@ -294,8 +309,7 @@ def site_row(site: str, variant: dict, fuse_accumulate: bool = False) -> dict:
             "moves_per_code": _count(ops, "MOV", "IMAD.MOV") / codes,
             "mma": _mma(ops),
             "sts": _count(ops, "STS"), "lds": _count(ops, "LDS"), "spill_ops": _count(ops, "STL", "LDL"),
-            "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
-            "shared_bytes": shared, "programs_per_sm": resident, "one_token_programs": one_token,
+            "registers": regs, "stack_bytes": stack, "shared_bytes": shared, "programs_per_sm": resident, "one_token_programs": one_token,
             "one_token_waves": waves, "top_ops": dict(list(ops.items())[:12])}
 
 
@@ -317,16 +331,13 @@ def attention_f64_row(rows: int, **overrides) -> dict:
     irs = triton_ir(f, jnp.zeros((rows, 1, h, d), jnp.bfloat16), jnp.zeros((rows, 4096, d), jnp.bfloat16),
                     jnp.zeros((h,), jnp.float32), jnp.zeros((rows, 1, k), jnp.int32))
     sass, usage, _ = compile_sass(irs[0], bs.num_warps, bs.num_stages)
-    try:
-        ops, looped = loop_stats(sass)["ops"], True
-    except ValueError:  # one step a split: the loop is unrolled away, count the whole kernel
-        ops, looped = collections.Counter(m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m), False
+    st, looped = loop_or_kernel_ops(sass)  # one step a split: the whole kernel
+    ops = st["ops"]
     needed = (bs.block_h * bs.block_k * d + bs.block_h * bs.block_k * bs.block_d) / 32 / bs.num_warps
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    regs, stack = _resources(usage)
     return {"rows": rows, "kernel": kw, "loop": looped, "f64_mul_per_thread": _count(ops, "DFMA", "DMUL"),
             "f64_mul_needed_per_thread": needed, "dmma": _count(ops, "DMMA"),
-            "spill_ops": _count(ops, "STL", "LDL"), "registers": int(regs.group(1)) if regs else None,
-            "stack_bytes": int(stack.group(1)) if stack else None}
+            "spill_ops": _count(ops, "STL", "LDL"), "registers": regs, "stack_bytes": stack}
 
 
 # the dense fp8 kernel's released projections for --fp8: name -> (N, K) (benchmarks.fp8_linear.SHAPES)
@@ -344,27 +355,20 @@ def fp8_row(site: str, rows: int, **overrides) -> dict:
     from pallas_kernels.fp8_matmul import api, kernel_gpu
 
     n, k = FP8_SITES[site]
-    bs = dataclasses.replace(api.BlockSizes(), **overrides).resolved(rows, n, k)
-    kw = {"block_m": bs.block_m, "block_n": bs.block_n, "block_k": bs.block_k, "k_splits": bs.k_splits,
-          "num_warps": bs.num_warps, "num_stages": bs.num_stages, "decode": bs.decode,
-          "swap_ab": bs.swap_ab and bs.block_m != 1}
+    kw = dataclasses.replace(api.BlockSizes(), **overrides).resolved(rows, n, k).kernel_args()
     x = jnp.zeros((rows, k), jnp.bfloat16)
     w = jnp.zeros((n, k), jnp.float8_e4m3fn)
     s = jnp.zeros((n // 32, k // 32), jnp.uint8)
     irs = triton_ir(lambda x: kernel_gpu.fp8_matmul_many(x, (w,), (s,), interpret=False, **kw), x)
-    sass, usage, shared = compile_sass(irs[0], bs.num_warps, bs.num_stages)
-    try:
-        ops, looped = loop_stats(sass), True
-    except ValueError:  # one K step a program (K splits): no loop, count the whole kernel
-        found = [m for m in map(_INSTR.match, sass.splitlines()) if m]
-        ops, looped = {"instructions": len(found), "ops": dict(collections.Counter(m.group(2) for m in found))}, False
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
-    per_elem = bs.block_n * bs.block_k / (32 * bs.num_warps)  # a thread's share of a step's weight elements
-    return {"site": site, "rows": rows, "kernel": kw, "loop": looped, "loop_instructions": ops["instructions"],
-            "instructions_per_weight": ops["instructions"] / per_elem, "mma": _mma(ops["ops"]),
-            "sts": _count(ops["ops"], "STS"), "lds": _count(ops["ops"], "LDS"),
-            "spill_ops": _count(ops["ops"], "STL", "LDL"), "registers": int(regs.group(1)) if regs else None,
-            "stack_bytes": int(stack.group(1)) if stack else None, "shared_bytes": shared}
+    sass, usage, shared = compile_sass(irs[0], kw["num_warps"], kw["num_stages"])
+    st, looped = loop_or_kernel_ops(sass)  # one K step a program (K splits): the whole kernel
+    ops = st["ops"]
+    regs, stack = _resources(usage)
+    per_elem = kw["block_n"] * kw["block_k"] / (32 * kw["num_warps"])  # a thread's share of a step's weights
+    return {"site": site, "rows": rows, "kernel": kw, "loop": looped, "loop_instructions": st["instructions"],
+            "instructions_per_weight": st["instructions"] / per_elem, "mma": _mma(ops),
+            "sts": _count(ops, "STS"), "lds": _count(ops, "LDS"), "spill_ops": _count(ops, "STL", "LDL"),
+            "registers": regs, "stack_bytes": stack, "shared_bytes": shared}
 
 
 def main(argv=None) -> int:

@@ -113,6 +113,14 @@ class BlockSizes:
                                        self.min_wave_fill if block_m == 1 else 0.0)
         return dataclasses.replace(self, block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
 
+    def kernel_args(self) -> dict:
+        """`kernel_gpu.fp8_matmul_many`'s tile keywords for resolved tiles (`resolved`): the
+        one-row option (`one_row_group_sums`) where block_m is 1, `swap_ab` on tensor-core tiles."""
+        one_row = self.block_m == 1
+        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "k_splits": self.k_splits,
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "decode": self.decode,
+                "group_sums": self.one_row_group_sums and one_row, "swap_ab": self.swap_ab and not one_row}
+
 
 def split_for_waves(programs: int, k_blocks: int, target: int, min_fill: float) -> int:
     """K splits (a divisor of k_blocks) for a launch of `programs` output blocks: the fewest
@@ -158,11 +166,8 @@ def _kernel_or_none(x, ws, ss, interpret, block_sizes, groups=1, quantise=False,
     bs = (block_sizes or BlockSizes()).resolved(m, ns, k)
     try:
         outs = kernel_gpu.fp8_matmul_many(x if quantise else x.astype(jnp.bfloat16), tuple(ws), tuple(ss),
-                                          block_m=bs.block_m, block_n=bs.block_n, block_k=bs.block_k,
-                                          k_splits=bs.k_splits, num_warps=bs.num_warps, num_stages=bs.num_stages,
-                                          decode=bs.decode, interpret=interpret, groups=groups, quantise=quantise,
-                                          group_sums=bs.one_row_group_sums and bs.block_m == 1, norm=norm,
-                                          swap_ab=bs.swap_ab and bs.block_m != 1)
+                                          interpret=interpret, groups=groups, quantise=quantise, norm=norm,
+                                          **bs.kernel_args())
     except NotImplementedError as e:
         logger.warning("fp8_matmul: kernel does not handle x %s w %s (%s); using the reference", x.shape,
                        [w.shape for w in ws], e)
