@@ -66,7 +66,12 @@ def parse_variant(text: str) -> api.BlockSizes:
              "st": "num_stages", "q": "quantise_one_row", "gs": "one_row_group_sums", "tp": "target_programs",
              "swap": "swap_ab"}
     flags = ("q", "gs", "swap")
-    kw = {names[k]: bool(int(v)) if k in flags else int(v) for k, v in (p.split("=") for p in text.split("/") if p)}
+    kw = {}
+    for part in (p for p in text.split("/") if p):
+        key, _, value = part.partition("=")
+        if key not in names or not value.lstrip("-").isdigit():
+            raise ValueError(f"--variants: {part!r} in {text!r} is not NAME=INTEGER with NAME one of {sorted(names)}")
+        kw[names[key]] = bool(int(value)) if key in flags else int(value)
     return api.BlockSizes(**kw)
 
 

@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     if ns.attention_f64:
         return _attention_main(ns)
     if ns.fp8:
-        return _fp8_main(ns)
+        return _fp8_main(p, ns)
     try:
         variants = json.loads(ns.variants)
         if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
@@ -461,12 +461,21 @@ def _attention_main(ns) -> int:
     return 0
 
 
-def _fp8_main(ns) -> int:
+def _fp8_main(p: argparse.ArgumentParser, ns) -> int:
+    try:
+        variants = json.loads(ns.fp8)
+        if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+            raise ValueError("expected a JSON list of objects")
+    except ValueError as e:
+        p.error(f"--fp8: {e}")
+    bad = sorted({v.get("site", "wq_b") for v in variants} - set(FP8_SITES))
+    if bad:
+        p.error(f"--fp8: unknown sites {bad}; known: {list(FP8_SITES)}")
     rows = []
     print("| site | rows | tiles | loop instr. / warp | instr. / weight | MMA | STS | LDS | spill ops | regs | "
           "shared KB |")
     print("|" + " --- |" * 11)
-    for v in json.loads(ns.fp8):
+    for v in variants:
         v = dict(v)
         site, n_rows = v.pop("site", "wq_b"), v.pop("rows", 64)
         try:

@@ -333,6 +333,9 @@ def test_fp8_linear_variants_name_block_sizes_fields():
     assert (bs.block_n, bs.block_k, bs.num_warps, bs.num_stages, bs.swap_ab) == (128, 128, 8, 2, True)
     assert parse_variant("q=0/gs=1") == api.BlockSizes(quantise_one_row=False, one_row_group_sums=True)
     assert parse_variant("") == api.BlockSizes() and api.BlockSizes().swap_ab is False
+    for bad in ("swp=1", "bn=sixty", "bn"):
+        with pytest.raises(ValueError, match=r"--variants: .* is not NAME=INTEGER"):
+            parse_variant(bad)
 
 
 def test_fp4_mosaic_probe_decode_bits_give_every_code_times_every_folded_scale():
@@ -828,6 +831,16 @@ def test_triton_sass_fp8_rows_show_the_swapped_operands_keep_the_weight_tile_out
     assert triton_sass.main(["--fp8", '[{"site": "shared w2", "rows": 16}, {"site": "wq_b", "rows": 16}]']) == 0
     out = capsys.readouterr().out
     assert "| shared w2 | 16 |" in out and "(no loop: whole kernel)" in out and "| wq_b | 16 |" in out
+
+
+def test_triton_sass_fp8_refuses_unknown_sites_and_non_lists_naming_the_flag(capsys):
+    """Checked before anything is compiled (no triton package needed)."""
+    from benchmarks import triton_sass
+
+    for bad, message in (('[{"site": "wq_c"}]', "--fp8: unknown sites ['wq_c']"), ("{}", "--fp8: expected a JSON list")):
+        with pytest.raises(SystemExit):
+            triton_sass.main(["--fp8", bad])
+        assert message in capsys.readouterr().err
 
 
 def test_launch_count_chains_a_compiled_decode_step_by_source():
